@@ -1,0 +1,376 @@
+"""Stage: mask IR -> per-q-block loop bounds over kv blocks, as IR expressions.
+
+For a q block holding rows [q_first, q_last] a kernel visits kv blocks [kv_lo, kv_hi); every block
+outside is EMPTY (no visible key) and is neither loaded nor computed. Inside, blocks
+[full_lo, full_hi) are FULL (every key visible to every row): they run with no mask code. The
+rest are PARTIAL and evaluate the mask. Both templates run exactly these expressions.
+
+Goals:
+  * closed-form bounds for affine masks: conjunctions and disjunctions of atoms
+    `a*q_idx + c <= kv_idx` / `kv_idx <= a*q_idx + c` (c may hold int params, b and h) and of
+    q-only conditions -- causal, sliding windows, prefix-LM and their and/or combinations;
+  * soundness for everything else: an atom sympy cannot bound makes its tiles PARTIAL, never
+    wrongly EMPTY or FULL.
+Non-goals: masks that depend on data (document masks) need runtime block tables (a later pass);
+bounds are intervals, so a mask with holes (e.g. dilated) is visited over its hull.
+
+Method: the mask becomes a sympy boolean in negation normal form; each atom is solved for kv_idx
+and turned into two intervals of key positions per q block, `visit` (keys some row may see) and
+`full` (keys all rows see); `and` intersects, `or` takes the hull of `visit` and the largest union
+it can prove of `full`. Intervals become block indices with clamping that keeps every division
+on non-negative numbers (so C truncation and floor division agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce
+
+import sympy
+
+from attngen import ir
+from attngen.ir import Type, VarKind
+
+Q = sympy.Symbol("q_idx", integer=True)
+K = sympy.Symbol("kv_idx", integer=True)
+Q_FIRST = sympy.Symbol("q_first", integer=True, nonnegative=True)
+Q_LAST = sympy.Symbol("q_last", integer=True, nonnegative=True)
+KV_LEN = sympy.Symbol("kv_len", integer=True, positive=True)
+# Each bound may read the ones computed before it, in this order.
+KV_LO = sympy.Symbol("kv_lo", integer=True, nonnegative=True)
+KV_HI = sympy.Symbol("kv_hi", integer=True, nonnegative=True)
+FULL_LO = sympy.Symbol("full_lo", integer=True, nonnegative=True)
+TILE_VARS = ("q_first", "q_last", "kv_len", "kv_lo", "kv_hi", "full_lo")
+
+
+@dataclass(frozen=True)
+class TileBounds:
+    """kv block ranges for one q block, as int IR over q_first, q_last, kv_len, b, h and params."""
+
+    kv_lo: ir.Expr
+    kv_hi: ir.Expr
+    full_lo: ir.Expr
+    full_hi: ir.Expr
+    affine: bool  # whether every atom of the mask was bounded in closed form
+
+
+@dataclass(frozen=True)
+class _Interval:
+    """Inclusive range [lo, hi] of key positions; empty when lo > hi."""
+
+    lo: sympy.Expr
+    hi: sympy.Expr
+
+
+_ALL = _Interval(sympy.Integer(0), KV_LEN - 1)
+_NONE = _Interval(sympy.Integer(0), sympy.Integer(-1))
+
+
+class FloorDiv(sympy.Function):
+    """a // b with b > 0, left unevaluated on symbols so it can be emitted as it is."""
+
+    nargs = 2
+    is_integer = True
+
+    def _eval_is_nonnegative(self):
+        return self.args[0].is_nonnegative
+
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) // int(b))
+        return None
+
+
+# ---------------------------------------------------------------------------- IR <-> sympy
+
+
+def to_sympy(e: ir.Expr, symbols: dict[str, sympy.Symbol]) -> sympy.Basic:
+    """The sympy form of an IR expression (integers exact, floor semantics for // and %)."""
+    rec = lambda x: to_sympy(x, symbols)  # noqa: E731
+    if isinstance(e, ir.Const):
+        if e.type is Type.BOOL:
+            return sympy.true if e.value else sympy.false
+        return sympy.Integer(e.value) if e.type is Type.INT else sympy.Float(e.value)
+    if isinstance(e, ir.Var):
+        return symbols[e.name]
+    if isinstance(e, ir.ToFloat):
+        return rec(e.operand)
+    if isinstance(e, ir.Neg):
+        return -rec(e.operand)
+    if isinstance(e, ir.Not):
+        return sympy.Not(rec(e.operand))
+    if isinstance(e, ir.Arith):
+        a, b = rec(e.lhs), rec(e.rhs)
+        return {
+            "+": lambda: a + b,
+            "-": lambda: a - b,
+            "*": lambda: a * b,
+            "/": lambda: a / b,
+            "//": lambda: sympy.floor(a / b),
+            "%": lambda: sympy.Mod(a, b),
+        }[e.op]()
+    if isinstance(e, ir.Compare):
+        a, b = rec(e.lhs), rec(e.rhs)
+        if e.type is Type.BOOL and e.lhs.type is Type.BOOL:
+            return sympy.Equivalent(a, b) if e.op == "==" else sympy.Xor(a, b)
+        return {
+            "==": sympy.Eq,
+            "!=": sympy.Ne,
+            "<": sympy.Lt,
+            "<=": sympy.Le,
+            ">": sympy.Gt,
+            ">=": sympy.Ge,
+        }[e.op](a, b)
+    if isinstance(e, ir.Logic):
+        return (sympy.And if e.op == "and" else sympy.Or)(rec(e.lhs), rec(e.rhs))
+    if isinstance(e, ir.Where):
+        c, a, b = rec(e.cond), rec(e.if_true), rec(e.if_false)
+        if e.type is Type.BOOL:
+            return sympy.Or(sympy.And(c, a), sympy.And(sympy.Not(c), b))
+        return sympy.Piecewise((a, c), (b, True))
+    if isinstance(e, ir.Func):
+        args = [rec(a) for a in e.args]
+        return {
+            "exp": sympy.exp,
+            "log": sympy.log,
+            "sqrt": sympy.sqrt,
+            "tanh": sympy.tanh,
+            "abs": sympy.Abs,
+            "min": sympy.Min,
+            "max": sympy.Max,
+        }[e.name](*args)
+    raise AssertionError(f"unhandled IR node {e!r}")
+
+
+class _Unsupported(Exception):
+    """A bound took a form this pass cannot emit; the caller falls back to visiting everything."""
+
+
+def _int_ir(x: sympy.Basic, kinds: dict[str, VarKind]) -> ir.Expr:
+    """IR of an integer sympy expression built by this pass (bounds only)."""
+    rec = lambda y: _int_ir(y, kinds)  # noqa: E731
+    if x.is_Integer:
+        return ir.Const(Type.INT, int(x))
+    if x.is_Symbol:
+        return ir.Var(Type.INT, x.name, kinds[x.name])
+    if isinstance(x, sympy.Add):
+        # Positive symbolic terms first, then subtracted ones, constants last: `q_last + 1 - w`.
+        terms = sorted(x.args, key=lambda t: (t.is_Number, t.could_extract_minus_sign(), sympy.default_sort_key(t)))
+        out = rec(terms[0])
+        for t in terms[1:]:
+            if t.could_extract_minus_sign():
+                out = ir.Arith(Type.INT, "-", out, rec(-t))
+            else:
+                out = ir.Arith(Type.INT, "+", out, rec(t))
+        return out
+    if isinstance(x, sympy.Mul):
+        coeff, rest = x.as_coeff_Mul()
+        if coeff == -1:
+            return ir.Neg(Type.INT, rec(rest))
+        return ir.Arith(Type.INT, "*", rec(coeff), rec(rest)) if coeff != 1 else rec(rest)
+    if isinstance(x, (sympy.Max, sympy.Min)):
+        name = "max" if isinstance(x, sympy.Max) else "min"
+        args = sorted(x.args, key=sympy.default_sort_key)
+        return reduce(lambda a, b: ir.Func(Type.INT, name, (a, b)), (rec(a) for a in args))
+    if isinstance(x, FloorDiv):
+        return ir.Arith(Type.INT, "//", rec(x.args[0]), rec(x.args[1]))
+    if isinstance(x, sympy.Piecewise):
+        (value, cond), *rest = x.args
+        if cond is sympy.true or not rest:
+            return rec(value)
+        return ir.Where(Type.INT, _bool_ir(cond, kinds), rec(value), rec(sympy.Piecewise(*rest)))
+    raise _Unsupported(x)
+
+
+def _bool_ir(c: sympy.Basic, kinds: dict[str, VarKind]) -> ir.Expr:
+    if c is sympy.true or c is sympy.false:
+        return ir.Const(Type.BOOL, bool(c))
+    if isinstance(c, sympy.ITE):  # from a comparison of piecewise bounds
+        cond, if_true, if_false = (_bool_ir(a, kinds) for a in c.args)
+        return ir.Where(Type.BOOL, cond, if_true, if_false)
+    if isinstance(c, sympy.Not):
+        return ir.Not(Type.BOOL, _bool_ir(c.args[0], kinds))
+    if isinstance(c, (sympy.And, sympy.Or)):
+        op = "and" if isinstance(c, sympy.And) else "or"
+        args = sorted(c.args, key=sympy.default_sort_key)
+        return reduce(lambda a, b: ir.Logic(Type.BOOL, op, a, b), (_bool_ir(a, kinds) for a in args))
+    ops = {sympy.Ge: ">=", sympy.Gt: ">", sympy.Le: "<=", sympy.Lt: "<", sympy.Eq: "==", sympy.Ne: "!="}
+    if type(c) not in ops:
+        raise _Unsupported(c)
+    return ir.Compare(Type.BOOL, ops[type(c)], _int_ir(c.lhs, kinds), _int_ir(c.rhs, kinds))
+
+
+# ---------------------------------------------------------------------------- interval algebra
+
+
+def _intersect(xs: list[_Interval]) -> _Interval:
+    return _Interval(sympy.Max(*(x.lo for x in xs)), sympy.Min(*(x.hi for x in xs)))
+
+
+def _hull(xs: list[_Interval]) -> _Interval:
+    return _Interval(sympy.Min(*(x.lo for x in xs)), sympy.Max(*(x.hi for x in xs)))
+
+
+def _inner_union(a: _Interval, b: _Interval) -> _Interval:
+    """An interval inside a ∪ b: their hull when they overlap or touch, else the longer one.
+
+    Sound for empty inputs too: if a is empty and the touch test passes, the hull equals b.
+    """
+    if b == _NONE or a == _NONE:
+        return a if b == _NONE else b
+    if a.lo == b.lo:  # [lo, x] ∪ [lo, y] = [lo, max(x, y)], empty sides included
+        return _Interval(a.lo, sympy.Max(a.hi, b.hi))
+    if a.hi == b.hi:
+        return _Interval(sympy.Min(a.lo, b.lo), a.hi)
+    if _size(a) + _size(b) > _SIZE_BUDGET:
+        return a  # keep compile time bounded: a alone is inside the union, just less tight
+    touch = sympy.Max(a.lo, b.lo) <= sympy.Min(a.hi, b.hi) + 1
+    a_longer = a.hi - a.lo >= b.hi - b.lo
+    hull = _hull([a, b])
+    lo = sympy.Piecewise((hull.lo, touch), (a.lo, a_longer), (b.lo, True))
+    hi = sympy.Piecewise((hull.hi, touch), (a.hi, a_longer), (b.hi, True))
+    return _Interval(lo, hi)
+
+
+# Bounds past this many sympy operations are not refined further (see _inner_union, _tidy):
+# sympy's min/max simplification grows quickly with nested piecewise terms.
+_SIZE_BUDGET = 40
+
+
+def _size(x: "_Interval | sympy.Basic") -> int:
+    if isinstance(x, _Interval):
+        return sympy.count_ops(x.lo) + sympy.count_ops(x.hi)
+    return sympy.count_ops(x)
+
+
+def _q_extremes(a: int, c: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+    """(min, max) of a*q + c over the q block's rows."""
+    at_first, at_last = a * Q_FIRST + c, a * Q_LAST + c
+    return (at_first, at_last) if a >= 0 else (at_last, at_first)
+
+
+def _atom(diff: sympy.Expr) -> tuple[_Interval, _Interval] | None:
+    """(visit, full) for the atom diff >= 0, or None if it is not affine in kv_idx."""
+    diff = sympy.expand(diff)
+    a, b = diff.coeff(Q), diff.coeff(K)
+    c = sympy.expand(diff - a * Q - b * K)
+    if not (a.is_Integer and b.is_Integer and c.is_integer and not c.has(Q, K)):
+        return None
+    a, b = int(a), int(b)
+    if b == 0:  # a condition on the row alone: whole block in, whole block out, or partial
+        low, high = _q_extremes(a, c)
+        ever = sympy.Piecewise((KV_LEN - 1, high >= 0), (-1, True))
+        always = sympy.Piecewise((KV_LEN - 1, low >= 0), (-1, True))
+        return _Interval(sympy.Integer(0), ever), _Interval(sympy.Integer(0), always)
+    if b == 1:  # kv_idx >= -(a*q + c)
+        low, high = _q_extremes(-a, -c)
+        return _Interval(low, KV_LEN - 1), _Interval(high, KV_LEN - 1)
+    if b == -1:  # kv_idx <= a*q + c
+        low, high = _q_extremes(a, c)
+        return _Interval(sympy.Integer(0), high), _Interval(sympy.Integer(0), low)
+    return None  # |b| > 1 would need floor division of signed values: left to the mask code
+
+
+def _is_integer(x: sympy.Expr) -> bool:
+    return bool(x.is_integer)
+
+
+def _relation(rel: sympy.Basic) -> sympy.Basic:
+    """Rewrite a relational as and/or of `diff >= 0` atoms (integers make strictness exact)."""
+    lhs, rhs = rel.lhs, rel.rhs
+    if not (_is_integer(lhs) and _is_integer(rhs)):
+        return rel
+    ge = lambda d: sympy.Ge(d, 0, evaluate=False)  # noqa: E731
+    if isinstance(rel, sympy.Ge):
+        return ge(lhs - rhs)
+    if isinstance(rel, sympy.Gt):
+        return ge(lhs - rhs - 1)
+    if isinstance(rel, sympy.Le):
+        return ge(rhs - lhs)
+    if isinstance(rel, sympy.Lt):
+        return ge(rhs - lhs - 1)
+    if isinstance(rel, sympy.Eq):
+        return sympy.And(ge(lhs - rhs), ge(rhs - lhs), evaluate=False)
+    if isinstance(rel, sympy.Ne):
+        return sympy.Or(ge(lhs - rhs - 1), ge(rhs - lhs - 1), evaluate=False)
+    return rel
+
+
+class _Bounder:
+    def __init__(self):
+        self.affine = True
+
+    def bound(self, m: sympy.Basic) -> tuple[_Interval, _Interval]:
+        if m is sympy.true:
+            return _ALL, _ALL
+        if m is sympy.false:
+            return _NONE, _NONE
+        if isinstance(m, sympy.And):
+            parts = [self.bound(x) for x in m.args]
+            return _intersect([p[0] for p in parts]), _intersect([p[1] for p in parts])
+        if isinstance(m, sympy.Or):
+            parts = [self.bound(x) for x in m.args]
+            return _hull([p[0] for p in parts]), reduce(_inner_union, (p[1] for p in parts))
+        if isinstance(m, sympy.Ge) and m.rhs == 0:
+            if (result := _atom(m.lhs)) is not None:
+                return result
+        elif isinstance(m, sympy.Rel) and (rewritten := _relation(m)) is not m:
+            return self.bound(rewritten)
+        # Anything else (floor, mod, float coefficients, products of indices...): every kv block
+        # may hold visible keys, and none is known to be full.
+        self.affine = False
+        return _ALL, _NONE
+
+
+def _tidy(x: sympy.Basic) -> sympy.Basic:
+    """Distribute sums over min/max (c + min(a, b) -> min(c + a, c + b)) so that sympy can drop
+    dominated arguments, e.g. min(kv_len, min(q_last, kv_len - 1) + 1) -> min(kv_len, q_last + 1)."""
+    if x.is_Atom or x.has(sympy.Piecewise) or _size(x) > _SIZE_BUDGET:
+        return x
+    args = [_tidy(a) for a in x.args]
+    if isinstance(x, sympy.Add):
+        for i, a in enumerate(args):
+            if isinstance(a, (sympy.Min, sympy.Max)):
+                rest = sympy.Add(*args[:i], *args[i + 1 :])
+                return _tidy(a.func(*(rest + t for t in a.args)))
+    return x.func(*args)
+
+
+def _blocks(visit: _Interval, full: _Interval, block_kv: int) -> tuple[sympy.Expr, ...]:
+    """Key intervals -> kv block ranges; every division has a non-negative numerator."""
+    bn = sympy.Integer(block_kv)
+    kv_lo = FloorDiv(_tidy(sympy.Max(visit.lo, 0)), bn)
+    kv_hi = FloorDiv(_tidy(sympy.Min(sympy.Max(visit.hi + 1, 0), KV_LEN) + bn - 1), bn)
+    full_lo = sympy.Min(sympy.Max(FloorDiv(_tidy(sympy.Max(full.lo, 0) + bn - 1), bn), KV_LO), KV_HI)
+    # Floor of the end keeps a kv tail block (kv_len % block_kv != 0) out of the FULL run:
+    # it needs bounds masking anyway.
+    full_hi = sympy.Min(sympy.Max(FloorDiv(_tidy(sympy.Min(sympy.Max(full.hi + 1, 0), KV_LEN)), bn), FULL_LO), KV_HI)
+    return kv_lo, kv_hi, full_lo, full_hi
+
+
+def analyse_mask(mask: ir.Expr | None, params: dict[str, Type], block_kv: int) -> TileBounds:
+    """Tile bounds of `mask` (None: no mask) for kv blocks of `block_kv` keys."""
+    symbols = {
+        "q_idx": Q,
+        "kv_idx": K,
+        "b": sympy.Symbol("b", integer=True, nonnegative=True),
+        "h": sympy.Symbol("h", integer=True, nonnegative=True),
+        **{n: sympy.Symbol(n, integer=True) if t is Type.INT else sympy.Symbol(n, real=True) for n, t in params.items()},
+    }
+    bounder = _Bounder()
+    if mask is None:
+        visit, full = _ALL, _ALL
+    else:
+        visit, full = bounder.bound(sympy.to_nnf(to_sympy(mask, symbols), simplify=False))
+    kinds = {
+        **{n: VarKind.INDEX for n in ("b", "h")},
+        **{n: VarKind.PARAM for n in params},
+        **{n: VarKind.TILE for n in TILE_VARS},
+    }
+    try:
+        exprs = [_int_ir(x, kinds) for x in _blocks(visit, full, block_kv)]
+    except _Unsupported:
+        exprs = [_int_ir(x, kinds) for x in _blocks(_ALL, _NONE, block_kv)]
+        return TileBounds(*exprs, affine=False)
+    return TileBounds(*exprs, affine=bounder.affine)

@@ -1,0 +1,21 @@
+"""What a target is: a name, the file it writes, its template and how it spells expressions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attngen.backends.emit import Dialect
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # e.g. "triton_gpu"; also the module name in the generated package
+    template: str  # path under templates/
+    dialect: Dialect  # templates name q_idx, kv_idx, b, h, score and the tile variables as the IR does
+    param_prefix: str  # kernels read param `x` as f"{param_prefix}{x}" (never shadows a name)
+    block_kv_key: str  # which config field sizes kv blocks: tile analysis depends on it
+    helper_functions: frozenset[str]  # dialect functions the template defines only when used
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.py"

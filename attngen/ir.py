@@ -1,0 +1,168 @@
+"""The typed IR of mask and score expressions.
+
+Produced by attngen.lang.typecheck from the AST; consumed by the tile analysis (to sympy), the
+reference (numpy evaluation) and the backends (source emission). Every node carries its type;
+implicit int -> float promotions are explicit ToFloat nodes, so no consumer has to re-derive
+typing rules.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Type(enum.Enum):
+    BOOL = "bool"
+    INT = "int"
+    FLOAT = "float"
+
+
+class VarKind(enum.Enum):
+    """Where a variable's value comes from at run time."""
+
+    INDEX = "index"  # q_idx, kv_idx, b, h: positions in the attention problem
+    SCORE = "score"  # the scaled logit scale * q.k, only inside score expressions
+    PARAM = "param"  # a runtime argument declared in [params]
+    TILE = "tile"  # q_first, q_last, kv_len: the q block a kernel program works on (tile bounds only)
+
+
+INDEX_VARS = ("q_idx", "kv_idx", "b", "h")
+
+# Functions of the language: name -> (arity, result rule).
+# "float": result FLOAT, args promoted to FLOAT; "same": result type of the promoted args.
+FUNCTIONS = {
+    "exp": (1, "float"),
+    "log": (1, "float"),
+    "sqrt": (1, "float"),
+    "tanh": (1, "float"),
+    "abs": (1, "same"),
+    "min": (2, "same"),
+    "max": (2, "same"),
+}
+
+
+@dataclass(frozen=True)
+class Expr:
+    type: Type
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    value: int | float | bool
+
+
+@dataclass(frozen=True)
+class Var(Expr):
+    name: str
+    kind: VarKind
+
+
+@dataclass(frozen=True)
+class ToFloat(Expr):
+    """An int operand promoted to float."""
+
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Neg(Expr):
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Not(Expr):
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Arith(Expr):
+    """lhs op rhs for op in + - * / // %. `//` and `%` are integer-only with floor semantics."""
+
+    op: str
+    lhs: Expr
+    rhs: Expr
+
+
+@dataclass(frozen=True)
+class Compare(Expr):
+    op: str  # == != < <= > >=
+    lhs: Expr
+    rhs: Expr
+
+
+@dataclass(frozen=True)
+class Logic(Expr):
+    op: str  # and, or
+    lhs: Expr
+    rhs: Expr
+
+
+@dataclass(frozen=True)
+class Where(Expr):
+    cond: Expr
+    if_true: Expr
+    if_false: Expr
+
+
+@dataclass(frozen=True)
+class Func(Expr):
+    name: str  # a key of FUNCTIONS
+    args: tuple[Expr, ...]
+
+
+def children(e: Expr) -> tuple[Expr, ...]:
+    """Direct sub-expressions of e, in source order."""
+    if isinstance(e, (ToFloat, Neg, Not)):
+        return (e.operand,)
+    if isinstance(e, (Arith, Compare, Logic)):
+        return (e.lhs, e.rhs)
+    if isinstance(e, Where):
+        return (e.cond, e.if_true, e.if_false)
+    if isinstance(e, Func):
+        return e.args
+    return ()
+
+
+def variables(e: Expr) -> frozenset[str]:
+    """Names of every variable e reads."""
+    if isinstance(e, Var):
+        return frozenset({e.name})
+    out: frozenset[str] = frozenset()
+    for c in children(e):
+        out |= variables(c)
+    return out
+
+
+def is_nonnegative(e: Expr) -> bool:
+    """Whether e is provably >= 0 (a cheap syntactic proof; False means "not known").
+
+    Lets targets whose integer // and % truncate (Triton) emit them directly where floor and
+    truncation agree, instead of a floor-division helper.
+    """
+    if isinstance(e, Const):
+        return e.type is not Type.BOOL and e.value >= 0
+    if isinstance(e, Var):
+        return e.kind in (VarKind.INDEX, VarKind.TILE)
+    if isinstance(e, Arith) and e.op in ("+", "*", "//", "%"):
+        return is_nonnegative(e.lhs) and is_nonnegative(e.rhs)
+    if isinstance(e, Func) and e.name == "max":
+        return any(is_nonnegative(a) for a in e.args)
+    if isinstance(e, Func) and e.name in ("min", "abs", "exp", "sqrt"):
+        return e.name != "min" or all(is_nonnegative(a) for a in e.args)
+    if isinstance(e, Where):
+        return is_nonnegative(e.if_true) and is_nonnegative(e.if_false)
+    return False
+
+
+def uses_floor_division(e: Expr) -> bool:
+    """Whether e has a // or % whose operands may be negative (where floor != truncation)."""
+    if isinstance(e, Arith) and e.op in ("//", "%") and not (is_nonnegative(e.lhs) and is_nonnegative(e.rhs)):
+        return True
+    return any(uses_floor_division(c) for c in children(e))
+
+
+def uses_function(e: Expr, name: str) -> bool:
+    if isinstance(e, Func) and e.name == name:
+        return True
+    return any(uses_function(c, name) for c in children(e))

@@ -1,0 +1,1 @@
+"""The spec expression language: source text -> AST (parser) -> typed IR (typecheck)."""

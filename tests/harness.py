@@ -1,0 +1,204 @@
+"""Build generated packages on the fly, run them on the CPU, and judge them against the oracle.
+
+Exactness rule (DESIGN.md): compared with the float64 reference on the same rounded inputs,
+fp32 kernels must agree to ~1e-5; fp16/bf16 kernels may err by at most twice what a framework
+implementation in the same precision errs, plus a small floor (the FlashAttention test rule).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from attngen.build import write_package
+from attngen.reference import attention_ref, evaluate, dense_mask
+from attngen.spec import Spec, parse_spec
+
+_BUILD_ROOT: Path | None = None
+
+
+def build_dir() -> Path:
+    global _BUILD_ROOT
+    if _BUILD_ROOT is None:
+        import tempfile
+
+        _BUILD_ROOT = Path(tempfile.mkdtemp(prefix="attngen-tests-"))
+    return _BUILD_ROOT
+
+
+def load_target(spec: Spec, target: str):
+    """Build spec into a scratch folder and import its `target` module under a unique name."""
+    digest = hashlib.sha256(spec.sha256.encode() + target.encode()).hexdigest()[:16]
+    module_name = f"_attngen_test_{spec.name}_{target}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    out = build_dir() / digest
+    write_package(spec, out)
+    location = out / spec.name / f"{target}.py"
+    module_spec = importlib.util.spec_from_file_location(module_name, location)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def spec_from_text(text: str) -> Spec:
+    return parse_spec(text, "<drawn spec>")
+
+
+# ----------------------------------------------------------------------------- Triton interpreter
+
+
+def fix_interpreter_bf16_dot() -> None:
+    """Work around triton-lang/triton#11584 in the harness, not the kernels.
+
+    The interpreter stores bf16 as raw uint16 bits and hands those bits to numpy's matmul. Widen
+    bf16 operands to float32 first (exact: bf16 is the top half of a float32).
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_attngen_bf16_fix", False):
+        return
+    original = builder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar == tl.bfloat16:
+            bits = handle.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, *args):
+        return original(self, widen(a), widen(b), d, *args)
+
+    create_dot._attngen_bf16_fix = True
+    builder.create_dot = create_dot
+
+
+# ----------------------------------------------------------------------------- inputs and oracle
+
+_NUMPY_LOWP = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Inputs of one check: float32 arrays holding values exactly representable in `dtype`."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    dtype: str
+    scale: float | None
+    params: dict
+
+
+def make_problem(spec: Spec, batch: int, heads: int, q_len: int, kv_len: int, seed: int, params: dict, scale=None) -> Problem:
+    """Fresh random inputs (never zeros), rounded to the spec's dtype."""
+    rng = np.random.default_rng(seed)
+    shape_q = (batch, heads, q_len, spec.head_dim)
+    shape_kv = (batch, heads, kv_len, spec.head_dim)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in (shape_q, shape_kv, shape_kv))
+    q, k, v = (round_to(x, spec.dtype) for x in (q, k, v))
+    return Problem(q, k, v, spec.dtype, scale, params)
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x rounded (to nearest even) to dtype, returned as float32."""
+    if dtype == "bfloat16":
+        bits = x.astype(np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return rounded.astype(np.uint32).view(np.float32)
+    return x.astype(_NUMPY_LOWP[dtype]).astype(np.float32)
+
+
+def lowp_baseline(spec: Spec, p: Problem) -> np.ndarray:
+    """A plain implementation in the problem's precision: what a framework would compute.
+
+    Scores come from a float32 matmul of the rounded inputs (as torch's bf16/fp16 matmuls
+    accumulate in fp32), are rounded to the dtype, and so are the probabilities and the output.
+    """
+    batch, heads, q_len, head_dim = p.q.shape
+    kv_len = p.k.shape[2]
+    scale = p.scale if p.scale is not None else 1.0 / np.sqrt(head_dim)
+    score = round_to(np.matmul(p.q, p.k.swapaxes(-1, -2)) * np.float32(scale), p.dtype).astype(np.float64)
+    if spec.score is not None:
+        env = {"score": score, **_index_env(batch, heads, q_len, kv_len), **p.params}
+        score = np.broadcast_to(evaluate(spec.score, env), score.shape)
+    score = np.where(dense_mask(spec, batch, heads, q_len, kv_len, p.params), score, -np.inf)
+    row_max = score.max(axis=-1, keepdims=True, initial=-np.inf)
+    probs = np.exp(score - np.where(np.isfinite(row_max), row_max, 0.0))
+    total = probs.sum(axis=-1, keepdims=True)
+    probs = round_to((probs / np.where(total == 0, 1.0, total)).astype(np.float32), p.dtype)
+    return round_to(np.matmul(probs, p.v), p.dtype).astype(np.float64)
+
+
+def _index_env(batch, heads, q_len, kv_len):
+    return {
+        "b": np.arange(batch).reshape(-1, 1, 1, 1),
+        "h": np.arange(heads).reshape(1, -1, 1, 1),
+        "q_idx": np.arange(q_len).reshape(1, 1, -1, 1),
+        "kv_idx": np.arange(kv_len).reshape(1, 1, 1, -1),
+    }
+
+
+FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3}
+
+
+def assert_exact(spec: Spec, p: Problem, out: np.ndarray, lse: np.ndarray) -> dict:
+    """Check a kernel's (out, lse) against the float64 oracle; returns the measured errors."""
+    ref_out, ref_lse = attention_ref(spec, p.q, p.k, p.v, scale=p.scale, **p.params)
+    out = np.asarray(out, dtype=np.float64)
+    lse = np.asarray(lse, dtype=np.float64)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not np.isnan(out).any(), "NaN in output"
+    assert not np.isnan(lse).any(), "NaN in lse"
+    err = np.abs(out - ref_out).max(initial=0.0)
+    if p.dtype == "float32":
+        allowed = FLOOR["float32"]
+    else:
+        baseline = np.abs(lowp_baseline(spec, p) - ref_out).max(initial=0.0)
+        allowed = 2 * baseline + FLOOR[p.dtype]
+    assert err <= allowed, f"max |out - ref| = {err:.3g} > allowed {allowed:.3g}"
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty), "lse is -inf exactly where a row sees no key"
+    assert (out[empty] == 0).all(), "rows with no visible key must give 0"
+    lse_err = np.abs(lse[~empty] - ref_lse[~empty]).max(initial=0.0)
+    assert lse_err <= 1e-4 * max(1.0, np.abs(ref_lse[~empty]).max(initial=0.0)), f"lse error {lse_err:.3g}"
+    return {"out": float(err), "lse": float(lse_err)}
+
+
+# ----------------------------------------------------------------------------- running targets
+
+
+def run_triton(spec: Spec, p: Problem):
+    import torch
+
+    fix_interpreter_bf16_dot()
+    module = load_target(spec, "triton_gpu")
+    dtype = getattr(torch, p.dtype)
+    q, k, v = (torch.from_numpy(x).to(dtype) for x in (p.q, p.k, p.v))
+    out, lse = module.attention(q, k, v, scale=p.scale, return_lse=True, **p.params)
+    return out.float().numpy(), lse.numpy()
+
+
+def run_pallas(spec: Spec, p: Problem, interpret=True):
+    import jax.numpy as jnp
+
+    module = load_target(spec, "pallas_tpu")
+    dtype = getattr(jnp, p.dtype)
+    q, k, v = (jnp.asarray(x).astype(dtype) for x in (p.q, p.k, p.v))
+    out, lse = module.attention(q, k, v, scale=p.scale, return_lse=True, interpret=interpret, **p.params)
+    return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+
+def with_dtype(spec: Spec, dtype: str) -> Spec:
+    """The same spec for another dtype (a different source, so a different package hash)."""
+    import dataclasses
+
+    return dataclasses.replace(spec, dtype=dtype, sha256=hashlib.sha256(f"{spec.sha256}:{dtype}".encode()).hexdigest())
