@@ -44,18 +44,8 @@ def _environment() -> jinja2.Environment:
 
 def render(plan: KernelPlan, backend: Backend) -> str:
     """Source of `backend`'s module for `plan`."""
-    block_d = 1 << (plan.head_dim - 1).bit_length()
     template = _environment().get_template(backend.template)
-    source = template.render(
-        plan=plan,
-        header_note=HEADER_NOTE,
-        block_d=block_d,
-        even_d=block_d == plan.head_dim,
-        p_kernel=lambda p: f"{backend.param_prefix}{p.name}",
-        kernel_params=", ".join(f"{backend.param_prefix}{p.name}" for p in plan.params),
-        dot_precision=', input_precision="ieee"' if plan.dtype == "float32" else "",
-    )
-    return source.rstrip("\n") + "\n"
+    return template.render(plan=plan, header_note=HEADER_NOTE).rstrip("\n") + "\n"
 
 
 def spec_label(spec: Spec) -> str:

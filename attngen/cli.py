@@ -46,7 +46,9 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="attngen", description="Compile attention specs into Triton and Pallas kernels.")
+    parser = argparse.ArgumentParser(
+        prog="attngen", description="Compile attention specs into Triton and Pallas kernels."
+    )
     parser.add_argument("--debug", action="store_true", help="show a traceback on errors")
     commands = parser.add_subparsers(dest="command", required=True)
     build_cmd = commands.add_parser("build", help="generate kernel packages from specs")

@@ -1,7 +1,9 @@
-"""The oracle: exact attention in float64 numpy, evaluated from the same IR as the kernels.
+"""The oracle: exact attention in float64, evaluated from the same IR as the kernels.
 
 Goals: the contract of DESIGN.md -- mask true = attend; a row with no visible key gives output 0
-and LSE -inf; LSE in natural log; `score` is scale * q.k before the score expression.
+and LSE -inf; LSE in natural log; `score` is scale * q.k before the score expression. numpy for
+the forward (attention_ref); torch float64 with autograd for gradients (attention_ref_torch),
+which differentiates the score expression independently of the kernels' sympy derivative.
 Non-goals: speed (it materialises the [batch, heads, q_len, kv_len] scores).
 """
 
@@ -13,56 +15,62 @@ from attngen import ir
 from attngen.ir import Type
 from attngen.spec import Spec
 
-_NUMPY_FUNCTIONS = {
-    "exp": np.exp,
-    "log": np.log,
-    "sqrt": np.sqrt,
-    "tanh": np.tanh,
-    "abs": np.abs,
-    "min": np.minimum,
-    "max": np.maximum,
+_OPS = {
+    "+": "add",
+    "-": "subtract",
+    "*": "multiply",
+    "/": "true_divide",
+    "//": "floor_divide",
+    "%": "remainder",  # floor modulo in numpy and torch alike
+    "==": "equal",  # torch.equal compares whole tensors: torch spells it "eq" (see _name)
+    "!=": "not_equal",
+    "<": "less",
+    "<=": "less_equal",
+    ">": "greater",
+    ">=": "greater_equal",
+    "and": "logical_and",
+    "or": "logical_or",
+    "exp": "exp",
+    "log": "log",
+    "sqrt": "sqrt",
+    "tanh": "tanh",
+    "abs": "abs",
+    "min": "minimum",
+    "max": "maximum",
 }
 
 
-def evaluate(e: ir.Expr, env: dict[str, np.ndarray | int | float]) -> np.ndarray:
-    """Value of e with numpy broadcasting; ints are int64, floats float64, // and % floor."""
+def _name(xp, op: str) -> str:
+    name = _OPS[op]
+    return "eq" if xp is not np and name == "equal" else name
+
+
+def evaluate(e: ir.Expr, env: dict, xp=np):
+    """Value of e with broadcasting in array module xp (numpy or torch): ints int64, floats
+    float64, // and % floor. Variables in env may be arrays or Python numbers."""
+    is_torch = xp is not np
     if isinstance(e, ir.Const):
-        dtype = {Type.BOOL: np.bool_, Type.INT: np.int64, Type.FLOAT: np.float64}[e.type]
-        return np.asarray(e.value, dtype=dtype)
+        dtype = {Type.BOOL: xp.bool_ if not is_torch else xp.bool, Type.INT: xp.int64, Type.FLOAT: xp.float64}[e.type]
+        return xp.asarray(e.value, dtype=dtype)
     if isinstance(e, ir.Var):
-        value = np.asarray(env[e.name])
-        return value.astype(np.float64 if e.type is Type.FLOAT else np.int64)
-    ev = lambda x: evaluate(x, env)  # noqa: E731
+        value = env[e.name]
+        dtype = xp.float64 if e.type is Type.FLOAT else xp.int64
+        return value.to(dtype) if is_torch and isinstance(value, xp.Tensor) else xp.asarray(value, dtype=dtype)
+    ev = lambda x: evaluate(x, env, xp)
     if isinstance(e, ir.ToFloat):
-        return ev(e.operand).astype(np.float64)
+        value = ev(e.operand)
+        return value.to(xp.float64) if is_torch else value.astype(np.float64)
     if isinstance(e, ir.Neg):
         return -ev(e.operand)
     if isinstance(e, ir.Not):
-        return ~ev(e.operand)
-    if isinstance(e, (ir.Arith, ir.Compare, ir.Logic)):
-        a, b = ev(e.lhs), ev(e.rhs)
-        with np.errstate(all="ignore"):
-            return {
-                "+": np.add,
-                "-": np.subtract,
-                "*": np.multiply,
-                "/": np.true_divide,
-                "//": np.floor_divide,
-                "%": np.mod,
-                "==": np.equal,
-                "!=": np.not_equal,
-                "<": np.less,
-                "<=": np.less_equal,
-                ">": np.greater,
-                ">=": np.greater_equal,
-                "and": np.logical_and,
-                "or": np.logical_or,
-            }[e.op](a, b)
-    if isinstance(e, ir.Where):
-        return np.where(ev(e.cond), ev(e.if_true), ev(e.if_false))
-    if isinstance(e, ir.Func):
-        with np.errstate(all="ignore"):
-            return _NUMPY_FUNCTIONS[e.name](*(ev(a) for a in e.args))
+        return xp.logical_not(ev(e.operand))
+    with np.errstate(all="ignore"):
+        if isinstance(e, (ir.Arith, ir.Compare, ir.Logic)):
+            return getattr(xp, _name(xp, e.op))(ev(e.lhs), ev(e.rhs))
+        if isinstance(e, ir.Where):
+            return xp.where(ev(e.cond), ev(e.if_true), ev(e.if_false))
+        if isinstance(e, ir.Func):
+            return getattr(xp, _name(xp, e.name))(*(ev(a) for a in e.args))
     raise AssertionError(f"unhandled IR node {e!r}")
 
 
@@ -108,4 +116,51 @@ def attention_ref(spec: Spec, q, k, v, *, scale: float | None = None, **params) 
     out = np.matmul(p / np.where(total == 0, 1.0, total), v)
     with np.errstate(divide="ignore"):
         lse = np.where(total[..., 0] == 0, -np.inf, np.log(total[..., 0]) + shift[..., 0])
+    return out, lse
+
+
+def attention_ref_torch(spec: Spec, q, k, v, *, scale: float | None = None, dtype=None, **params):
+    """(out, lse) in torch, differentiable by autograd; q, k, v are torch tensors on any device.
+
+    dtype (default float64) is the precision of every step but the score expression, which is
+    evaluated in float64 and rounded back: a lower dtype makes this the plain framework
+    implementation that the FlashAttention test rule compares kernels with.
+    """
+    import torch
+
+    dtype = dtype or torch.float64
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(head_dim))
+    device = q.device
+    positions = {
+        "b": torch.arange(batch, device=device).reshape(-1, 1, 1, 1),
+        "h": torch.arange(heads, device=device).reshape(1, -1, 1, 1),
+        "q_idx": torch.arange(q_len, device=device).reshape(1, 1, -1, 1),
+        "kv_idx": torch.arange(kv_len, device=device).reshape(1, 1, 1, -1),
+    }
+    score = scale * (q @ k.transpose(-1, -2))
+    if spec.score is not None:
+        score = evaluate(spec.score, {"score": score, **positions, **params}, torch).to(dtype).expand_as(score)
+    visible = torch.ones((), dtype=torch.bool, device=device)
+    if spec.mask is not None:
+        visible = evaluate(spec.mask, {**positions, **params}, torch).to(device)
+    visible = visible.expand(batch, heads, q_len, kv_len)
+    # Masked entries leave the graph through where(): their gradient is exactly 0.
+    score = torch.where(visible, score, torch.zeros((), dtype=dtype, device=device))
+    shift = torch.where(visible, score, torch.full((), -torch.inf, dtype=dtype, device=device))
+    row_max = (
+        shift.amax(dim=-1, keepdim=True)
+        if kv_len
+        else torch.full((batch, heads, q_len, 1), -torch.inf, dtype=dtype, device=device)
+    )
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0).detach()
+    p = torch.where(visible, torch.exp(score - row_max), 0.0)
+    total = p.sum(dim=-1, keepdim=True)
+    out = (p / torch.where(total == 0, 1.0, total)) @ v
+    lse = torch.where(
+        total[..., 0] == 0, -torch.inf, torch.log(torch.where(total == 0, 1.0, total))[..., 0] + row_max[..., 0]
+    )
     return out, lse

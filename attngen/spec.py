@@ -47,6 +47,9 @@ class TritonConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    # The dK/dV kernel holds a q and a dO tile per pipeline stage: 3 stages of 128 x 128 bf16
+    # tiles overflow the 227 KiB of shared memory an H100/H200 block may use.
+    bwd_num_stages: int = 2
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ _SCHEMA: dict[str | None, dict[str, tuple[type, str]]] = {
     None: {"name": (str, "a string"), "head_dim": (int, "an integer"), "dtype": (str, "a string")},
     "mask": {"causal": (bool, "true or false"), "expr": (str, "a string")},
     "score": {"expr": (str, "a string")},
-    "triton": {k: (int, "an integer") for k in ("block_m", "block_n", "num_warps", "num_stages")},
+    "triton": {k: (int, "an integer") for k in ("block_m", "block_n", "num_warps", "num_stages", "bwd_num_stages")},
     "pallas_tpu": {k: (int, "an integer") for k in ("block_q", "block_kv")},
 }
 _TABLES = (*(t for t in _SCHEMA if t is not None), "params")
@@ -196,7 +199,11 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     if name is None and "name" not in data:
         v.error("missing `name`", Location(path, 1, 1), 'add e.g. name = "causal" (the package name under generated/)')
     elif name is not None and (not _NAME_RE.match(name) or keyword.iskeyword(name)):
-        v.error(f"name {name!r} is not a valid package name", loc.value(None, "name"), "use lowercase letters, digits and _; start with a letter")
+        v.error(
+            f"name {name!r} is not a valid package name",
+            loc.value(None, "name"),
+            "use lowercase letters, digits and _; start with a letter",
+        )
     head_dim = top.get("head_dim")
     if head_dim is None and "head_dim" not in data:
         v.error("missing `head_dim`", Location(path, 1, 1), "add e.g. head_dim = 128")
@@ -211,9 +218,14 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     for pname, ptype in raw_params.items():
         where = loc.key("params", pname)
         if not _IDENT_RE.match(pname) or keyword.iskeyword(pname) or pname in RESERVED_NAMES:
-            v.error(f"param name {pname!r} is not allowed", where, "use an identifier that is not a keyword or a built-in name", len(pname))
+            v.error(
+                f"param name {pname!r} is not allowed",
+                where,
+                "use an identifier that is not a keyword or a built-in name",
+                len(pname),
+            )
         elif ptype not in PARAM_TYPES:
-            v.error(f"param `{pname}` must be \"int\" or \"float\", got {ptype!r}", where, width=len(pname))
+            v.error(f'param `{pname}` must be "int" or "float", got {ptype!r}', where, width=len(pname))
         else:
             params.append(Param(pname, PARAM_TYPES[ptype]))
     scope_params = {p.name: p.type for p in params}
@@ -221,7 +233,11 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     mask_table = v.typed(v.table(data, "mask"), "mask")
     mask_source = mask_table.get("expr")
     if mask_table.get("causal") and mask_source is not None:
-        v.error("[mask] has both `causal` and `expr`", loc.key("mask", "causal"), f"write causal as part of expr: {CAUSAL_MASK}")
+        v.error(
+            "[mask] has both `causal` and `expr`",
+            loc.key("mask", "causal"),
+            f"write causal as part of expr: {CAUSAL_MASK}",
+        )
     elif mask_table.get("causal"):
         mask_source = CAUSAL_MASK
     mask = None
@@ -241,18 +257,31 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     tri = v.typed(v.table(data, "triton"), "triton")
     for key in ("block_m", "block_n"):
         if key in tri and not (_power_of_two(tri[key]) and 16 <= tri[key] <= 256):
-            v.error(f"triton {key} must be a power of two in 16..256, got {tri[key]}", loc.key("triton", key), width=len(key))
+            v.error(
+                f"triton {key} must be a power of two in 16..256, got {tri[key]}",
+                loc.key("triton", key),
+                width=len(key),
+            )
     if "num_warps" in tri and tri["num_warps"] not in (1, 2, 4, 8, 16):
         v.error(f"triton num_warps must be 1, 2, 4, 8 or 16, got {tri['num_warps']}", loc.key("triton", "num_warps"))
-    if "num_stages" in tri and not 1 <= tri["num_stages"] <= 8:
-        v.error(f"triton num_stages must be in 1..8, got {tri['num_stages']}", loc.key("triton", "num_stages"))
+    for key in ("num_stages", "bwd_num_stages"):
+        if key in tri and not 1 <= tri[key] <= 8:
+            v.error(f"triton {key} must be in 1..8, got {tri[key]}", loc.key("triton", key))
 
     tpu = v.typed(v.table(data, "pallas_tpu"), "pallas_tpu")
     # TPU tiles are (8 sublanes, 128 lanes): q rows are a sublane dim, kv a lane dim of the scores.
     if "block_q" in tpu and not (tpu["block_q"] % 8 == 0 and 8 <= tpu["block_q"] <= 4096):
-        v.error(f"pallas_tpu block_q must be a multiple of 8 in 8..4096, got {tpu['block_q']}", loc.key("pallas_tpu", "block_q"), "TPU blocks are tiled by (8, 128)")
+        v.error(
+            f"pallas_tpu block_q must be a multiple of 8 in 8..4096, got {tpu['block_q']}",
+            loc.key("pallas_tpu", "block_q"),
+            "TPU blocks are tiled by (8, 128)",
+        )
     if "block_kv" in tpu and not (tpu["block_kv"] % 128 == 0 and 128 <= tpu["block_kv"] <= 4096):
-        v.error(f"pallas_tpu block_kv must be a multiple of 128 in 128..4096, got {tpu['block_kv']}", loc.key("pallas_tpu", "block_kv"), "TPU blocks are tiled by (8, 128)")
+        v.error(
+            f"pallas_tpu block_kv must be a multiple of 128 in 128..4096, got {tpu['block_kv']}",
+            loc.key("pallas_tpu", "block_kv"),
+            "TPU blocks are tiled by (8, 128)",
+        )
 
     if v.problems:
         raise SpecError(sorted(v.problems, key=_position))

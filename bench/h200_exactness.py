@@ -1,17 +1,22 @@
 """Run the generated Triton kernels of specs/ at real sizes on a GPU: exactness, then rough speed.
 
-For every spec in specs/ and dtype in (float16, bfloat16): build the package, run it on fresh
-random inputs, compare with the float64 oracle (attngen.reference) and with torch SDPA in the
-same precision (the FlashAttention rule: our error <= 2x SDPA's error + a small floor), then time
-ours and SDPA with triton.testing.do_bench (median). Prints a table last; writes JSON to $OUT.
+For every spec in specs/ and dtype in (float16, bfloat16): build the package, run forward and
+backward on fresh random inputs, compare out, lse, dq, dk, dv with the float64 oracle (torch
+float64 on the GPU, attngen.reference) and with torch SDPA in the same precision -- the
+FlashAttention rule: our error <= 2x SDPA's error + a small floor. SDPA cannot express a score
+modifier; for those specs the same-precision baseline is the reference run in that dtype. Then
+time forward and forward+backward of ours and SDPA (triton.testing.do_bench, median), and show
+torch._dynamo.explain for a transformer block calling the op. Prints a table last; writes JSON
+to $OUT.
 
-    python bench/h200_exactness.py [--batch 2 --heads 8 --seq 2048]
+    python bench/h200_exactness.py [--batch 2 --heads 8 --seq 4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -20,51 +25,174 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import triton
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from attngen.build import write_package  # noqa: E402
-from attngen.reference import attention_ref, dense_mask  # noqa: E402
-from attngen.spec import load_spec  # noqa: E402
+from attngen.build import write_package
+from attngen.reference import attention_ref_torch, evaluate
+from attngen.spec import load_spec
 
-PARAMS = {"sliding_window": {"window": 256}, "prefix_lm": {"prefix": 512}, "softcap": {"softcap": 20.0}, "strided": {"stride": 64}}
+PARAMS = {
+    "sliding_window": {"window": 256},
+    "prefix_lm": {"prefix": 512},
+    "softcap": {"softcap": 20.0},
+    "strided": {"stride": 64},
+}
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
 
 
 def load_kernel(spec, out_dir: Path):
     write_package(spec, out_dir)
-    path = out_dir / spec.name / "triton_gpu.py"
     name = f"{spec.name}_{spec.dtype}_triton"
-    module_spec = importlib.util.spec_from_file_location(name, path)
+    module_spec = importlib.util.spec_from_file_location(name, out_dir / spec.name / "triton_gpu.py")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     module_spec.loader.exec_module(module)
     return module
 
 
-def sdpa(spec, q, k, v, visible: torch.Tensor | None):
-    """torch SDPA on the same mask; None where SDPA cannot express the spec (score modifiers)."""
-    if spec.score is not None:
-        return None
-    if spec.mask_source == "q_idx >= kv_idx" and q.shape[2] == k.shape[2]:
-        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+def visible_mask(spec, B, H, N, params, device):
     if spec.mask is None:
-        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        return None
+    positions = {
+        "b": torch.arange(B, device=device).reshape(-1, 1, 1, 1),
+        "h": torch.arange(H, device=device).reshape(1, -1, 1, 1),
+        "q_idx": torch.arange(N, device=device).reshape(1, 1, -1, 1),
+        "kv_idx": torch.arange(N, device=device).reshape(1, 1, 1, -1),
+    }
+    return evaluate(spec.mask, {**positions, **params}, torch).expand(B, H, N, N)
+
+
+def same_precision_peer(spec, visible):
+    """(name, fn(q, k, v) -> out) for the framework implementation in the kernel's dtype."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if spec.score is not None:
+        return "reference in dtype", lambda q, k, v, **params: attention_ref_torch(
+            spec, q, k, v, dtype=q.dtype, **params
+        )[0]
+    if spec.mask_source == "q_idx >= kv_idx":
+        return "SDPA causal", lambda q, k, v, **params: sdpa(q, k, v, is_causal=True)
+    if visible is None:
+        return "SDPA", lambda q, k, v, **params: sdpa(q, k, v)
+    return "SDPA dense mask", lambda q, k, v, **params: sdpa(q, k, v, attn_mask=visible)
+
+
+def max_err(a, b):
+    return float((a.double() - b.double()).abs().max())
+
+
+def explain_block(module, params, device, dtype):
+    heads, head_dim = 4, module.HEAD_DIM
+    qkv = torch.nn.Linear(256, 3 * heads * head_dim, device=device, dtype=dtype)
+    proj = torch.nn.Linear(heads * head_dim, 256, device=device, dtype=dtype)
+
+    def block(x):
+        batch, seq, _ = x.shape
+        q, k, v = qkv(x).reshape(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        return x + proj(module.attention(q, k, v, **params).transpose(1, 2).reshape(batch, seq, heads * head_dim))
+
+    explanation = torch._dynamo.explain(block)(torch.randn(2, 512, 256, device=device, dtype=dtype))
+    return explanation.graph_count, explanation.graph_break_count, str(explanation).splitlines()[:6]
+
+
+def check(spec, build_dir: Path, args, device) -> dict:
+    """Exactness (forward and backward) and timings of one spec in one dtype."""
+    dtype = spec.dtype
+    t0 = time.perf_counter()
+    module = load_kernel(spec, build_dir)
+    params = PARAMS.get(spec.name, {})
+    B, H, N, D = args.batch, args.heads, args.seq, spec.head_dim
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q, k, v, dout = (torch.randn(B, H, N, D, device=device, dtype=getattr(torch, dtype)) for _ in range(4))
+    dlse = torch.randn(B, H, N, device=device)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = module.attention(*leaves, return_lse=True, **params)
+    grads = torch.autograd.grad([out, lse], leaves, [dout, dlse])
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - t0
+
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = attention_ref_torch(spec, *ref_leaves, **params)
+    ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_leaves, [dout.double(), dlse.double()])
+    finite = torch.isfinite(ref_lse)
+    errors = {
+        "out": max_err(out, ref_out),
+        "lse": max_err(lse[finite], ref_lse[finite]),
+        **{name: max_err(g, r) for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)},
+    }
+
+    visible = visible_mask(spec, B, H, N, params, device)
+    peer_name, peer = same_precision_peer(spec, visible)
+    peer_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    peer_out = peer(*peer_leaves, **params)
+    peer_grads = torch.autograd.grad(peer_out, peer_leaves, dout)
+    # The peer's gradients get no dlse: compare ours with dlse = 0 against them.
+    ours_no_lse = torch.autograd.grad(module.attention(*leaves, **params), leaves, dout)
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out = attention_ref_torch(spec, *ref_leaves, **params)[0]
+    ref_grads_no_lse = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    peer_errors = {"out": max_err(peer_out, ref_out)}
+    ours_vs_rule = {"out": errors["out"]}
+    magnitude = {"out": float(ref_out.abs().max())}
+    for name, ours_g, peer_g, ref_g in zip(("dq", "dk", "dv"), ours_no_lse, peer_grads, ref_grads_no_lse):
+        peer_errors[name] = max_err(peer_g, ref_g)
+        ours_vs_rule[name] = max_err(ours_g, ref_g)
+        magnitude[name] = float(ref_g.abs().max())
+    exact = all(ours_vs_rule[n] <= 2 * peer_errors[n] + FLOOR[dtype] * max(1.0, magnitude[n]) for n in ours_vs_rule)
+    exact = exact and errors["lse"] < 1e-3
+
+    density = float(visible.float().mean()) if visible is not None else 1.0
+    flops = 4 * B * H * N * N * D * density
+
+    def ours_fwd():
+        return module.attention(q, k, v, **params)
+
+    def ours_fwd_bwd():
+        out = module.attention(*leaves, **params)
+        return torch.autograd.grad(out, leaves, dout)
+
+    def peer_fwd():
+        return peer(q, k, v, **params)
+
+    def peer_fwd_bwd():
+        return torch.autograd.grad(peer(*peer_leaves, **params), peer_leaves, dout)
+
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    ms = {"fwd": bench(ours_fwd), "fwd_bwd": bench(ours_fwd_bwd)}
+    peer_ms = {"fwd": bench(peer_fwd), "fwd_bwd": bench(peer_fwd_bwd)}
+    row = {
+        "spec": spec.name,
+        "dtype": dtype,
+        "shape": [B, H, N, D],
+        "params": params,
+        "mask_density": density,
+        "first_call_s": first_call_s,
+        "errors_vs_float64": errors,
+        "errors_without_dlse": ours_vs_rule,
+        "peer": peer_name,
+        "peer_errors_vs_float64": peer_errors,
+        "exact": bool(exact),
+        "ms": ms,
+        "peer_ms": peer_ms,
+        "tflops_fwd": flops / ms["fwd"] * 1e-9,
+        "tflops_fwd_bwd": 3.5 * flops / ms["fwd_bwd"] * 1e-9,
+        "peer_tflops_fwd": flops / peer_ms["fwd"] * 1e-9,
+        "peer_tflops_fwd_bwd": 3.5 * flops / peer_ms["fwd_bwd"] * 1e-9,
+    }
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=4096)
     args = parser.parse_args()
     out_root = Path(os.environ.get("OUT", tempfile.mkdtemp()))
-    build_root = Path(tempfile.mkdtemp(prefix="attngen-h200-"))
+    build_root = Path(tempfile.mkdtemp(prefix="attngen-gpu-"))
     device = torch.device("cuda")
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
 
@@ -72,57 +200,31 @@ def main() -> None:
     for spec_file in sorted((ROOT / "specs").glob("*.toml")):
         base = load_spec(spec_file)
         for dtype in ("float16", "bfloat16"):
-            spec = dataclasses.replace(base, dtype=dtype)
-            t0 = time.perf_counter()
-            module = load_kernel(spec, build_root / dtype)
-            params = PARAMS.get(spec.name, {})
-            B, H, N, D = args.batch, args.heads, args.seq, spec.head_dim
-            gen = torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(4), "little"))
-            q, k, v = (torch.randn(B, H, N, D, device=device, dtype=getattr(torch, dtype), generator=gen) for _ in range(3))
-            out, lse = module.attention(q, k, v, return_lse=True, **params)
-            torch.cuda.synchronize()
-            first_call_s = time.perf_counter() - t0
-
-            ref_out, ref_lse = attention_ref(spec, q.double().cpu().numpy(), k.double().cpu().numpy(), v.double().cpu().numpy(), **params)
-            err = float(np.abs(out.double().cpu().numpy() - ref_out).max())
-            lse_err = float(np.nanmax(np.abs(lse.double().cpu().numpy() - ref_lse)))
-            mask_np = dense_mask(spec, B, H, N, N, params)
-            density = float(mask_np.mean())
-            visible = torch.from_numpy(np.ascontiguousarray(mask_np)).to(device)
-            peer = sdpa(spec, q, k, v, visible)
-            peer_err = float(np.abs(peer().double().cpu().numpy() - ref_out).max()) if peer else None
-            exact = not np.isnan(err) and (err <= 2 * peer_err + FLOOR[dtype] if peer_err is not None else err <= 2e-2)
-
-            flops = 4 * B * H * N * N * D * density
-            ms = triton.testing.do_bench(lambda: module.attention(q, k, v, **params), warmup=25, rep=200, return_mode="median")
-            peer_ms = triton.testing.do_bench(peer, warmup=25, rep=200, return_mode="median") if peer else None
-            row = {
-                "spec": spec.name,
-                "dtype": dtype,
-                "shape": [B, H, N, D],
-                "params": params,
-                "mask_density": density,
-                "first_call_s": first_call_s,
-                "max_abs_err": err,
-                "lse_max_abs_err": lse_err,
-                "sdpa_max_abs_err": peer_err,
-                "exact": bool(exact),
-                "ms": ms,
-                "tflops": flops / ms * 1e-9,
-                "sdpa_ms": peer_ms,
-                "sdpa_tflops": flops / peer_ms * 1e-9 if peer_ms else None,
-            }
+            digest = hashlib.sha256(f"{base.sha256}:{dtype}".encode()).hexdigest()
+            spec = dataclasses.replace(base, dtype=dtype, sha256=digest)
+            row = check(spec, build_root / dtype, args, device)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
 
-    (out_root / "h200_exactness.json").write_text(json.dumps(rows, indent=2))
-    print(f"\n{'spec':16} {'dtype':9} {'err':>9} {'sdpa err':>9} {'exact':>5} {'TFLOP/s':>8} {'SDPA':>8} {'ratio':>6} {'1st call':>8}")
+    causal = load_kernel(dataclasses.replace(load_spec(ROOT / "specs/causal.toml")), build_root / "explain")
+    graphs, breaks, text = explain_block(causal, {}, device, torch.bfloat16)
+    print("torch._dynamo.explain, transformer block calling generated/causal:", *text, sep="\n  ")
+
+    (out_root / "h200_exactness.json").write_text(json.dumps({"rows": rows, "dynamo_explain": text}, indent=2))
+    print(
+        f"\n{'spec':15} {'dtype':8} {'out err':>8} {'dq err':>8} {'dk err':>8} {'dv err':>8} {'peer dq':>8} {'exact':>5} "
+        f"{'fwd TF':>6} {'peer':>5} {'f+b TF':>6} {'peer':>5} {'1st':>5}  peer"
+    )
     for r in rows:
-        sdpa_err = f"{r['sdpa_max_abs_err']:.2e}" if r["sdpa_max_abs_err"] is not None else "n/a"
-        sdpa_tf = f"{r['sdpa_tflops']:.0f}" if r["sdpa_tflops"] else "n/a"
-        ratio = f"{r['tflops'] / r['sdpa_tflops']:.2f}" if r["sdpa_tflops"] else "n/a"
-        print(f"{r['spec']:16} {r['dtype']:9} {r['max_abs_err']:9.2e} {sdpa_err:>9} {str(r['exact']):>5} {r['tflops']:8.0f} {sdpa_tf:>8} {ratio:>6} {r['first_call_s']:7.1f}s")
-    if not all(r["exact"] for r in rows):
+        e, pe = r["errors_without_dlse"], r["peer_errors_vs_float64"]
+        print(
+            f"{r['spec']:15} {r['dtype']:8} {e['out']:8.1e} {e['dq']:8.1e} {e['dk']:8.1e} {e['dv']:8.1e} {pe['dq']:8.1e} "
+            f"{r['exact']!s:>5} {r['tflops_fwd']:6.0f} {r['peer_tflops_fwd']:5.0f} {r['tflops_fwd_bwd']:6.0f} "
+            f"{r['peer_tflops_fwd_bwd']:5.0f} {r['first_call_s']:4.1f}s  {r['peer']}"
+        )
+    print(f"dynamo: {graphs} graph(s), {breaks} graph break(s)")
+    if not all(r["exact"] for r in rows) or breaks:
         sys.exit(1)
 
 

@@ -11,9 +11,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings
 
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 # CI skips shrinking: kernel examples are slow to re-run, and the unshrunk example is printed.
 _NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.explain]
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True, phases=_NO_SHRINK, **_COMMON)

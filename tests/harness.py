@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from attngen.build import write_package
-from attngen.reference import attention_ref, evaluate, dense_mask
+from attngen.reference import attention_ref, attention_ref_torch, dense_mask, evaluate
 from attngen.spec import Spec, parse_spec
 
 _BUILD_ROOT: Path | None = None
@@ -98,7 +98,9 @@ class Problem:
     params: dict
 
 
-def make_problem(spec: Spec, batch: int, heads: int, q_len: int, kv_len: int, seed: int, params: dict, scale=None) -> Problem:
+def make_problem(
+    spec: Spec, batch: int, heads: int, q_len: int, kv_len: int, seed: int, params: dict, scale=None
+) -> Problem:
     """Fresh random inputs (never zeros), rounded to the spec's dtype."""
     rng = np.random.default_rng(seed)
     shape_q = (batch, heads, q_len, spec.head_dim)
@@ -202,3 +204,86 @@ def with_dtype(spec: Spec, dtype: str) -> Spec:
     import dataclasses
 
     return dataclasses.replace(spec, dtype=dtype, sha256=hashlib.sha256(f"{spec.sha256}:{dtype}".encode()).hexdigest())
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+@dataclass(frozen=True)
+class Cotangents:
+    """Gradients flowing into (out, lse): fresh random values, float32 holding dtype values."""
+
+    dout: np.ndarray
+    dlse: np.ndarray
+
+
+def make_cotangents(p: Problem, seed: int) -> Cotangents:
+    rng = np.random.default_rng(seed + 1)
+    dout = round_to(rng.standard_normal(p.q.shape).astype(np.float32), p.dtype)
+    dlse = rng.standard_normal(p.q.shape[:3]).astype(np.float32)
+    return Cotangents(dout, dlse)
+
+
+def reference_grads(spec: Spec, p: Problem, c: Cotangents, dtype=None) -> list[np.ndarray]:
+    """(dq, dk, dv) by torch autograd through the reference, in float64 unless dtype is given."""
+    import torch
+
+    dtype = dtype or torch.float64
+    q, k, v = (torch.from_numpy(x).to(dtype).requires_grad_() for x in (p.q, p.k, p.v))
+    out, lse = attention_ref_torch(spec, q, k, v, scale=p.scale, dtype=dtype, **p.params)
+    grads = torch.autograd.grad(
+        [out, lse], [q, k, v], [torch.from_numpy(c.dout).to(dtype), torch.from_numpy(c.dlse).to(dtype)]
+    )
+    return [g.double().numpy() for g in grads]
+
+
+GRAD_FLOOR = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 1e-2}
+
+
+def assert_grads_exact(spec: Spec, p: Problem, c: Cotangents, grads) -> dict:
+    """Kernel gradients against float64 autograd; fp16/bf16 by the 2x-framework rule."""
+    import torch
+
+    ref = reference_grads(spec, p, c)
+    lowp = None if p.dtype == "float32" else reference_grads(spec, p, c, getattr(torch, p.dtype))
+    errors = {}
+    for i, (name, ours, exact) in enumerate(zip(("dq", "dk", "dv"), grads, ref)):
+        ours = np.asarray(ours, dtype=np.float64)
+        assert not np.isnan(ours).any(), f"NaN in {name}"
+        magnitude = max(1.0, np.abs(exact).max(initial=0.0))
+        err = np.abs(ours - exact).max(initial=0.0)
+        if lowp is None:
+            allowed = GRAD_FLOOR["float32"] * magnitude
+        else:
+            allowed = 2 * np.abs(lowp[i] - exact).max(initial=0.0) + GRAD_FLOOR[p.dtype] * magnitude
+        assert err <= allowed, f"max |{name} - ref| = {err:.3g} > allowed {allowed:.3g}"
+        errors[name] = float(err)
+    return errors
+
+
+def run_triton_grad(spec: Spec, p: Problem, c: Cotangents):
+    import torch
+
+    fix_interpreter_bf16_dot()
+    module = load_target(spec, "triton_gpu")
+    dtype = getattr(torch, p.dtype)
+    q, k, v = (torch.from_numpy(x).to(dtype).requires_grad_() for x in (p.q, p.k, p.v))
+    out, lse = module.attention(q, k, v, scale=p.scale, return_lse=True, **p.params)
+    grads = torch.autograd.grad([out, lse], [q, k, v], [torch.from_numpy(c.dout).to(dtype), torch.from_numpy(c.dlse)])
+    return [g.float().numpy() for g in grads]
+
+
+def run_pallas_grad(spec: Spec, p: Problem, c: Cotangents, interpret=True):
+    import jax
+    import jax.numpy as jnp
+
+    module = load_target(spec, "pallas_tpu")
+    dtype = getattr(jnp, p.dtype)
+    q, k, v = (jnp.asarray(x).astype(dtype) for x in (p.q, p.k, p.v))
+
+    def f(q, k, v):
+        return module.attention(q, k, v, scale=p.scale, return_lse=True, interpret=interpret, **p.params)
+
+    _, vjp = jax.vjp(f, q, k, v)
+    grads = vjp((jnp.asarray(c.dout).astype(dtype), jnp.asarray(c.dlse)))
+    return [np.asarray(g.astype(jnp.float32)) for g in grads]

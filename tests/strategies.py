@@ -92,7 +92,9 @@ def uses(name: str, *exprs: str | None) -> bool:
     return any(e is not None and re.search(rf"\b{name}\b", e) for e in exprs)
 
 
-def spec_toml(mask: str | None = None, score: str | None = None, head_dim: int = 64, extra: tuple[str, ...] = ()) -> str:
+def spec_toml(
+    mask: str | None = None, score: str | None = None, head_dim: int = 64, extra: tuple[str, ...] = ()
+) -> str:
     """Spec text for a mask and a score expression, declaring the drawn params they read."""
     lines = ['name = "drawn"', f"head_dim = {head_dim}", *extra]
     if mask == "causal":
@@ -101,7 +103,9 @@ def spec_toml(mask: str | None = None, score: str | None = None, head_dim: int =
         lines += ["[mask]", f'expr = "{mask}"']
     if score is not None:
         lines += ["[score]", f'expr = "{score}"']
-    params = [f'{INT_PARAM} = "int"'] * uses(INT_PARAM, mask, score) + [f'{FLOAT_PARAM} = "float"'] * uses(FLOAT_PARAM, mask, score)
+    params = [f'{INT_PARAM} = "int"'] * uses(INT_PARAM, mask, score) + [f'{FLOAT_PARAM} = "float"'] * uses(
+        FLOAT_PARAM, mask, score
+    )
     if params:
         lines += ["[params]", *params]
     return "\n".join(lines) + "\n"
@@ -128,7 +132,11 @@ def specs(draw, dtypes=("float32", "float16", "bfloat16"), head_dims=(16, 32, 40
         f"block_kv = {draw(st.sampled_from([128, 256]))}",
     )
     # Tables must follow the top-level keys: put the config tables after mask/score/params.
-    text = spec_toml(mask, score, head_dim=draw(st.sampled_from(head_dims)), extra=config[:1]) + "\n".join(config[1:]) + "\n"
+    text = (
+        spec_toml(mask, score, head_dim=draw(st.sampled_from(head_dims)), extra=config[:1])
+        + "\n".join(config[1:])
+        + "\n"
+    )
     return DrawnSpec(text, params)
 
 

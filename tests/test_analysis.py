@@ -17,9 +17,16 @@ def classify(bounds, *, q_len, kv_len, block_q, block_kv, b, h, params) -> np.nd
     nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
     classes = np.full((nq, nk), EMPTY)
     for qb in range(nq):
-        env = {"q_first": qb * block_q, "q_last": min(qb * block_q + block_q, q_len) - 1, "kv_len": kv_len, "b": b, "h": h, **params}
-        for name in ("kv_lo", "kv_hi", "full_lo", "full_hi"):
-            env[name] = int(evaluate(getattr(bounds, name), env))
+        env = {
+            "q_first": qb * block_q,
+            "q_last": min(qb * block_q + block_q, q_len) - 1,
+            "kv_len": kv_len,
+            "b": b,
+            "h": h,
+            **params,
+        }
+        for name, field in (("kv_lo", "lo"), ("kv_hi", "hi"), ("full_lo", "full_lo"), ("full_hi", "full_hi")):
+            env[name] = int(evaluate(getattr(bounds, field), env))
         classes[qb, env["kv_lo"] : env["kv_hi"]] = PARTIAL
         classes[qb, env["full_lo"] : env["full_hi"]] = FULL
         assert env["kv_lo"] <= env["full_lo"] or env["full_lo"] == env["full_hi"]

@@ -27,7 +27,9 @@ def test_committed_package_is_current(spec_file):
     spec = load_spec(spec_file.relative_to(ROOT))
     committed = ROOT / "generated" / spec.name
     for name, source in package_sources(spec).items():
-        assert (committed / name).read_text() == source, f"generated/{spec.name}/{name} is stale: run attngen build specs/"
+        assert (committed / name).read_text() == source, (
+            f"generated/{spec.name}/{name} is stale: run attngen build specs/"
+        )
 
 
 def test_headers_name_the_spec_and_its_hash():

@@ -3,9 +3,9 @@
 import numpy as np
 import torch
 
+from attngen import ir
 from attngen.reference import attention_ref, evaluate
 from attngen.spec import parse_spec
-from attngen import ir
 
 
 def test_matches_torch_sdpa_in_float64():
@@ -27,7 +27,10 @@ def test_matches_torch_sdpa_in_float64():
 
 
 def test_integer_division_floors():
-    spec = parse_spec('name = "x"\nhead_dim = 32\n[mask]\nexpr = "(q_idx - kv_idx) // 4 == -1 and (q_idx - kv_idx) % 4 == 1"\n', "s.toml")
+    spec = parse_spec(
+        'name = "x"\nhead_dim = 32\n[mask]\nexpr = "(q_idx - kv_idx) // 4 == -1 and (q_idx - kv_idx) % 4 == 1"\n',
+        "s.toml",
+    )
     value = evaluate(spec.mask, {"q_idx": np.array(0), "kv_idx": np.array(3)})
     assert bool(value)  # -3 // 4 == -1 and -3 % 4 == 1, as in Python
     assert evaluate(ir.Arith(ir.Type.INT, "//", ir.Const(ir.Type.INT, -7), ir.Const(ir.Type.INT, 2)), {}) == -4

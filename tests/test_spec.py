@@ -86,7 +86,9 @@ def test_conflicts_and_missing_keys():
     assert any("both `causal` and `expr`" in p for p in problems(GOOD + '[mask]\ncausal = true\nexpr = "q_idx > 0"\n'))
     assert any("missing `name`" in p for p in problems("head_dim = 64\n"))
     assert any("must be a table" in p for p in problems(GOOD + "mask = 3\n"))
-    assert any('must be "int" or "float"' in p for p in problems(GOOD + '[mask]\nexpr = "q_idx > w"\n[params]\nw = "long"\n'))
+    assert any(
+        'must be "int" or "float"' in p for p in problems(GOOD + '[mask]\nexpr = "q_idx > w"\n[params]\nw = "long"\n')
+    )
 
 
 def test_specs_folder_is_valid():

@@ -1,33 +1,69 @@
-"""Generated Triton kernels (under TRITON_INTERPRET=1) against the float64 oracle."""
+"""Generated Triton kernels (under TRITON_INTERPRET=1) against the float64 oracle: forward
+outputs and LSE, and gradients through the torch custom op."""
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attngen.spec import load_spec
 from tests import harness
-from tests.strategies import shapes, specs
+from tests.strategies import shapes, spec_toml, specs
 
 SPECS = sorted(Path(__file__).resolve().parent.parent.joinpath("specs").glob("*.toml"))
-SPEC_PARAMS = {"sliding_window": {"window": 70}, "prefix_lm": {"prefix": 45}, "softcap": {"softcap": 20.0}, "strided": {"stride": 24}}
+SPEC_PARAMS = {
+    "sliding_window": {"window": 70},
+    "prefix_lm": {"prefix": 45},
+    "softcap": {"softcap": 20.0},
+    "strided": {"stride": 24},
+}
+DRAWN = {
+    "drawn": specs(),
+    "shape": shapes(),
+    "seed": st.integers(0, 2**32 - 1),
+    "scale": st.sampled_from([None, 0.05, 0.3]),
+}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("spec_file", SPECS, ids=lambda p: p.stem)
 def test_spec_examples(spec_file, dtype):
     """Each spec in specs/, with its own block sizes, at lengths that leave tails."""
-    spec = load_spec(spec_file)
-    spec = harness.with_dtype(spec, dtype)
-    params = SPEC_PARAMS.get(spec.name, {})
-    p = harness.make_problem(spec, batch=1, heads=2, q_len=300, kv_len=277, seed=hash(dtype) % 1000, params=params)
+    spec = harness.with_dtype(load_spec(spec_file), dtype)
+    p = harness.make_problem(
+        spec, batch=1, heads=2, q_len=300, kv_len=277, seed=11, params=SPEC_PARAMS.get(spec.name, {})
+    )
     harness.assert_exact(spec, p, *harness.run_triton(spec, p))
+    c = harness.make_cotangents(p, seed=11)
+    harness.assert_grads_exact(spec, p, c, harness.run_triton_grad(spec, p, c))
 
 
 @settings(max_examples=40)
-@given(drawn=specs(), shape=shapes(), seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([None, 0.05, 0.3]))
+@given(**DRAWN)
 def test_drawn_specs(drawn, shape, seed, scale):
     spec = harness.spec_from_text(drawn.text)
     p = harness.make_problem(spec, shape.batch, shape.heads, shape.q_len, shape.kv_len, seed, drawn.params, scale)
     harness.assert_exact(spec, p, *harness.run_triton(spec, p))
+
+
+@settings(max_examples=25)
+@given(**DRAWN)
+def test_drawn_specs_gradients(drawn, shape, seed, scale):
+    spec = harness.spec_from_text(drawn.text)
+    p = harness.make_problem(spec, shape.batch, shape.heads, shape.q_len, shape.kv_len, seed, drawn.params, scale)
+    c = harness.make_cotangents(p, seed)
+    harness.assert_grads_exact(spec, p, c, harness.run_triton_grad(spec, p, c))
+
+
+def test_rows_with_no_visible_key():
+    """Rows that see nothing: output 0, LSE -inf, gradients 0, never NaN."""
+    spec = harness.spec_from_text(spec_toml("kv_idx < w and kv_idx <= q_idx - 40"))
+    p = harness.make_problem(spec, 1, 1, 100, 90, seed=5, params={"w": 30})
+    out, lse = harness.run_triton(spec, p)
+    assert (out[:, :, :40] == 0).all() and np.isneginf(lse[:, :, :40]).all()
+    c = harness.make_cotangents(p, seed=5)
+    dq, dk, dv = harness.run_triton_grad(spec, p, c)
+    assert (dq[:, :, :40] == 0).all() and (dk[:, :, 30:] == 0).all() and (dv[:, :, 30:] == 0).all()
+    harness.assert_grads_exact(spec, p, c, (dq, dk, dv))

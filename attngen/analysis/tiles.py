@@ -31,24 +31,69 @@ import sympy
 from attngen import ir
 from attngen.ir import Type, VarKind
 
-Q = sympy.Symbol("q_idx", integer=True)
-K = sympy.Symbol("kv_idx", integer=True)
-Q_FIRST = sympy.Symbol("q_first", integer=True, nonnegative=True)
-Q_LAST = sympy.Symbol("q_last", integer=True, nonnegative=True)
-KV_LEN = sympy.Symbol("kv_len", integer=True, positive=True)
+# The pass is written for one orientation: a block of "rows" (a program's fixed block) against
+# the "columns" its loop walks. The forward pass and dQ use rows = queries, columns = keys; dK/dV
+# use rows = keys, columns = queries. Symbols are generic; Orientation names them for emission.
+Q = sympy.Symbol("row", integer=True)
+K = sympy.Symbol("col", integer=True)
+Q_FIRST = sympy.Symbol("row_first", integer=True, nonnegative=True)
+Q_LAST = sympy.Symbol("row_last", integer=True, nonnegative=True)
+KV_LEN = sympy.Symbol("col_len", integer=True, positive=True)
 # Each bound may read the ones computed before it, in this order.
-KV_LO = sympy.Symbol("kv_lo", integer=True, nonnegative=True)
-KV_HI = sympy.Symbol("kv_hi", integer=True, nonnegative=True)
+KV_LO = sympy.Symbol("col_lo", integer=True, nonnegative=True)
+KV_HI = sympy.Symbol("col_hi", integer=True, nonnegative=True)
 FULL_LO = sympy.Symbol("full_lo", integer=True, nonnegative=True)
-TILE_VARS = ("q_first", "q_last", "kv_len", "kv_lo", "kv_hi", "full_lo")
+
+
+@dataclass(frozen=True)
+class Orientation:
+    """Which index the rows are, and what the generic symbols are called in kernels."""
+
+    row_var: str  # "q_idx" or "kv_idx"
+    col_var: str
+    names: dict[str, str]  # generic symbol name -> kernel variable name
+
+    @property
+    def tile_vars(self) -> tuple[str, ...]:
+        return tuple(self.names.values())
+
+
+BY_QUERY_BLOCK = Orientation(
+    "q_idx",
+    "kv_idx",
+    {
+        "row_first": "q_first",
+        "row_last": "q_last",
+        "col_len": "kv_len",
+        "col_lo": "kv_lo",
+        "col_hi": "kv_hi",
+        "full_lo": "full_lo",
+    },
+)
+BY_KEY_BLOCK = Orientation(
+    "kv_idx",
+    "q_idx",
+    {
+        "row_first": "kv_first",
+        "row_last": "kv_last",
+        "col_len": "q_len",
+        "col_lo": "q_lo",
+        "col_hi": "q_hi",
+        "full_lo": "q_full_lo",
+    },
+)
+TILE_VARS = tuple(dict.fromkeys((*BY_QUERY_BLOCK.tile_vars, *BY_KEY_BLOCK.tile_vars)))
 
 
 @dataclass(frozen=True)
 class TileBounds:
-    """kv block ranges for one q block, as int IR over q_first, q_last, kv_len, b, h and params."""
+    """Column block ranges for one row block: visit [lo, hi), of which [full_lo, full_hi) FULL.
 
-    kv_lo: ir.Expr
-    kv_hi: ir.Expr
+    Int IR over the row block's first/last position, the column length, b, h and params.
+    """
+
+    lo: ir.Expr
+    hi: ir.Expr
     full_lo: ir.Expr
     full_hi: ir.Expr
     affine: bool  # whether every atom of the mask was bounded in closed form
@@ -87,7 +132,7 @@ class FloorDiv(sympy.Function):
 
 def to_sympy(e: ir.Expr, symbols: dict[str, sympy.Symbol]) -> sympy.Basic:
     """The sympy form of an IR expression (integers exact, floor semantics for // and %)."""
-    rec = lambda x: to_sympy(x, symbols)  # noqa: E731
+    rec = lambda x: to_sympy(x, symbols)
     if isinstance(e, ir.Const):
         if e.type is Type.BOOL:
             return sympy.true if e.value else sympy.false
@@ -147,13 +192,14 @@ class _Unsupported(Exception):
     """A bound took a form this pass cannot emit; the caller falls back to visiting everything."""
 
 
-def _int_ir(x: sympy.Basic, kinds: dict[str, VarKind]) -> ir.Expr:
-    """IR of an integer sympy expression built by this pass (bounds only)."""
-    rec = lambda y: _int_ir(y, kinds)  # noqa: E731
+def _int_ir(x: sympy.Basic, kinds: dict[str, tuple[str, VarKind]]) -> ir.Expr:
+    """IR of an integer sympy expression built by this pass (bounds only); kinds maps each
+    symbol's name to the variable it becomes."""
+    rec = lambda y: _int_ir(y, kinds)
     if x.is_Integer:
         return ir.Const(Type.INT, int(x))
     if x.is_Symbol:
-        return ir.Var(Type.INT, x.name, kinds[x.name])
+        return ir.Var(Type.INT, *kinds[x.name])
     if isinstance(x, sympy.Add):
         # Positive symbolic terms first, then subtracted ones, constants last: `q_last + 1 - w`.
         terms = sorted(x.args, key=lambda t: (t.is_Number, t.could_extract_minus_sign(), sympy.default_sort_key(t)))
@@ -183,7 +229,7 @@ def _int_ir(x: sympy.Basic, kinds: dict[str, VarKind]) -> ir.Expr:
     raise _Unsupported(x)
 
 
-def _bool_ir(c: sympy.Basic, kinds: dict[str, VarKind]) -> ir.Expr:
+def _bool_ir(c: sympy.Basic, kinds: dict[str, tuple[str, VarKind]]) -> ir.Expr:
     if c is sympy.true or c is sympy.false:
         return ir.Const(Type.BOOL, bool(c))
     if isinstance(c, sympy.ITE):  # from a comparison of piecewise bounds
@@ -238,7 +284,7 @@ def _inner_union(a: _Interval, b: _Interval) -> _Interval:
 _SIZE_BUDGET = 40
 
 
-def _size(x: "_Interval | sympy.Basic") -> int:
+def _size(x: _Interval | sympy.Basic) -> int:
     if isinstance(x, _Interval):
         return sympy.count_ops(x.lo) + sympy.count_ops(x.hi)
     return sympy.count_ops(x)
@@ -281,7 +327,7 @@ def _relation(rel: sympy.Basic) -> sympy.Basic:
     lhs, rhs = rel.lhs, rel.rhs
     if not (_is_integer(lhs) and _is_integer(rhs)):
         return rel
-    ge = lambda d: sympy.Ge(d, 0, evaluate=False)  # noqa: E731
+    ge = lambda d: sympy.Ge(d, 0, evaluate=False)
     if isinstance(rel, sympy.Ge):
         return ge(lhs - rhs)
     if isinstance(rel, sympy.Gt):
@@ -349,14 +395,22 @@ def _blocks(visit: _Interval, full: _Interval, block_kv: int) -> tuple[sympy.Exp
     return kv_lo, kv_hi, full_lo, full_hi
 
 
-def analyse_mask(mask: ir.Expr | None, params: dict[str, Type], block_kv: int) -> TileBounds:
-    """Tile bounds of `mask` (None: no mask) for kv blocks of `block_kv` keys."""
+def analyse_mask(
+    mask: ir.Expr | None, params: dict[str, Type], block: int, orientation: Orientation = BY_QUERY_BLOCK
+) -> TileBounds:
+    """Column block ranges of `mask` (None: no mask) for column blocks of `block` positions.
+
+    With BY_QUERY_BLOCK (the default) the result reads q_first, q_last, kv_len and gives kv block
+    ranges; with BY_KEY_BLOCK it reads kv_first, kv_last, q_len and gives q block ranges.
+    """
     symbols = {
-        "q_idx": Q,
-        "kv_idx": K,
+        orientation.row_var: Q,
+        orientation.col_var: K,
         "b": sympy.Symbol("b", integer=True, nonnegative=True),
         "h": sympy.Symbol("h", integer=True, nonnegative=True),
-        **{n: sympy.Symbol(n, integer=True) if t is Type.INT else sympy.Symbol(n, real=True) for n, t in params.items()},
+        **{
+            n: sympy.Symbol(n, integer=True) if t is Type.INT else sympy.Symbol(n, real=True) for n, t in params.items()
+        },
     }
     bounder = _Bounder()
     if mask is None:
@@ -364,13 +418,13 @@ def analyse_mask(mask: ir.Expr | None, params: dict[str, Type], block_kv: int) -
     else:
         visit, full = bounder.bound(sympy.to_nnf(to_sympy(mask, symbols), simplify=False))
     kinds = {
-        **{n: VarKind.INDEX for n in ("b", "h")},
-        **{n: VarKind.PARAM for n in params},
-        **{n: VarKind.TILE for n in TILE_VARS},
+        **{n: (n, VarKind.INDEX) for n in ("b", "h")},
+        **{n: (n, VarKind.PARAM) for n in params},
+        **{generic: (name, VarKind.TILE) for generic, name in orientation.names.items()},
     }
     try:
-        exprs = [_int_ir(x, kinds) for x in _blocks(visit, full, block_kv)]
+        exprs = [_int_ir(x, kinds) for x in _blocks(visit, full, block)]
     except _Unsupported:
-        exprs = [_int_ir(x, kinds) for x in _blocks(_ALL, _NONE, block_kv)]
+        exprs = [_int_ir(x, kinds) for x in _blocks(_ALL, _NONE, block)]
         return TileBounds(*exprs, affine=False)
     return TileBounds(*exprs, affine=bounder.affine)

@@ -13,7 +13,8 @@ class Backend:
     template: str  # path under templates/
     dialect: Dialect  # templates name q_idx, kv_idx, b, h, score and the tile variables as the IR does
     param_prefix: str  # kernels read param `x` as f"{param_prefix}{x}" (never shadows a name)
-    block_kv_key: str  # which config field sizes kv blocks: tile analysis depends on it
+    block_q_key: str  # which config fields size q and kv blocks: tile analysis depends on them
+    block_kv_key: str
     helper_functions: frozenset[str]  # dialect functions the template defines only when used
 
     @property

@@ -7,8 +7,8 @@ Parentheses follow Python's precedence, so the output has no more of them than i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from attngen import ir
 from attngen.ir import Type

@@ -23,6 +23,7 @@ PALLAS_TPU = Backend(
         floormod=None,
     ),
     param_prefix="param_",
+    block_q_key="block_q",
     block_kv_key="block_kv",
     helper_functions=frozenset(),
 )

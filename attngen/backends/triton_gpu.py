@@ -23,6 +23,7 @@ TRITON_GPU = Backend(
         floormod="floormod",
     ),
     param_prefix="param_",
+    block_q_key="block_m",
     block_kv_key="block_n",
     helper_functions=frozenset({"tanh", "floordiv", "floormod"}),
 )

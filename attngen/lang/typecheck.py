@@ -77,12 +77,13 @@ class _Checker:
         if node.name in self.scope.params:
             return ir.Var(self.scope.params[node.name], node.name, ir.VarKind.PARAM)
         known = [*ir.INDEX_VARS, *(["score"] if self.scope.allow_score else []), *self.scope.params]
-        self.error(f"unknown name `{node.name}`", node, f"known names: {', '.join(known)}; declare runtime values in [params]")
+        self.error(
+            f"unknown name `{node.name}`", node, f"known names: {', '.join(known)}; declare runtime values in [params]"
+        )
         return None
 
     def _mismatch(self, what: str, wanted: str, got: ir.Expr, node: ast.Node) -> None:
         self.error(f"{what} needs {wanted}, got {got.type.value}", node)
-        return None
 
     def _binary(self, node: ast.Binary) -> ir.Expr | None:
         lhs, rhs = self.check(node.lhs), self.check(node.rhs)
@@ -94,9 +95,8 @@ class _Checker:
                 if side.type is not Type.BOOL:
                     return self._mismatch(f"`{op}`", "bool operands", side, node)
             return ir.Logic(Type.BOOL, op, lhs, rhs)
-        if op in ("==", "!="):
-            if lhs.type is Type.BOOL and rhs.type is Type.BOOL:
-                return ir.Compare(Type.BOOL, op, lhs, rhs)
+        if op in ("==", "!=") and lhs.type is Type.BOOL and rhs.type is Type.BOOL:
+            return ir.Compare(Type.BOOL, op, lhs, rhs)
         for side in (lhs, rhs):
             if side.type not in _NUMERIC:
                 return self._mismatch(f"`{op}`", "numeric operands", side, node)

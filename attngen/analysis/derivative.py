@@ -1,0 +1,157 @@
+"""Stage: score expression IR -> IR of its derivative d(score')/d(score), via sympy.
+
+Goals: the backward pass needs f'(score) for a score modifier score' = f(score, q_idx, kv_idx,
+b, h, params). sympy differentiates the expression and simplifies the result; this pass turns it
+back into IR that both backends print like any other expression.
+Non-goals: gradients with respect to params (they are runtime scalars, not tensors).
+
+Subgradients at kinks are documented choices: abs'(0) = 0 (sign), max/min split 1/2 each at a
+tie (Heaviside(0) = 1/2), where(c, a, b)' = where(c, a', b') (the condition's boundary is ignored).
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+
+import sympy
+
+from attngen import ir
+from attngen.analysis.tiles import to_sympy
+from attngen.errors import AttngenError
+from attngen.ir import Type, VarKind
+
+SCORE = sympy.Symbol("score", real=True)
+
+
+class DerivativeError(AttngenError):
+    """The derivative of a score expression has a form attngen cannot emit."""
+
+
+def score_derivative(score: ir.Expr, params: dict[str, Type]) -> ir.Expr:
+    """IR of d(score)/d(score) for a score expression (a FLOAT expression of `score`)."""
+    symbols = {
+        "score": SCORE,
+        **{n: sympy.Symbol(n, integer=True, nonnegative=True) for n in ir.INDEX_VARS},
+        **{
+            n: sympy.Symbol(n, integer=True) if t is Type.INT else sympy.Symbol(n, real=True) for n, t in params.items()
+        },
+    }
+    kinds = {"score": VarKind.SCORE, **{n: VarKind.INDEX for n in ir.INDEX_VARS}, **{n: VarKind.PARAM for n in params}}
+    # factor_terms is the light simplification that keeps the functions of the language (simplify
+    # would turn 1 - tanh(x)**2 into 1/cosh(x)**2, which the language cannot spell).
+    derivative = sympy.factor_terms(sympy.diff(to_sympy(score, symbols), SCORE))
+    return _Converter(kinds).float(derivative)
+
+
+class _Converter:
+    def __init__(self, kinds: dict[str, VarKind]):
+        self.kinds = kinds
+
+    def float(self, x: sympy.Basic) -> ir.Expr:
+        e = self.any(x)
+        if e.type is Type.INT:
+            return ir.Const(Type.FLOAT, float(e.value)) if isinstance(e, ir.Const) else ir.ToFloat(Type.FLOAT, e)
+        return e
+
+    def any(self, x: sympy.Basic) -> ir.Expr:
+        if x.is_Integer:
+            return ir.Const(Type.INT, int(x))
+        if x.is_Number:
+            return ir.Const(Type.FLOAT, float(x))
+        if x.is_Symbol:
+            kind = self.kinds[x.name]
+            return ir.Var(Type.FLOAT if x.name == "score" or x.is_integer is not True else Type.INT, x.name, kind)
+        if isinstance(x, sympy.Add):
+            terms = sorted(x.args, key=lambda t: (t.could_extract_minus_sign(), t.is_Number, sympy.default_sort_key(t)))
+            out = self.any(terms[0])
+            for t in terms[1:]:
+                neg = t.could_extract_minus_sign()
+                out = self._arith("-" if neg else "+", out, self.any(-t if neg else t))
+            return out
+        if isinstance(x, sympy.Mul):
+            num, den = sympy.fraction(x)
+            if den != 1:
+                return ir.Arith(Type.FLOAT, "/", self.float(num), self.float(den))
+            if x.could_extract_minus_sign():
+                inner = self.any(-x)
+                return ir.Neg(inner.type, inner)
+            return reduce(lambda a, b: self._arith("*", a, b), (self.any(a) for a in x.as_ordered_factors()))
+        if isinstance(x, sympy.Pow):
+            return self._power(x.base, x.exp)
+        if isinstance(x, (sympy.exp, sympy.log, sympy.tanh)):
+            return ir.Func(Type.FLOAT, type(x).__name__, (self.float(x.args[0]),))
+        if isinstance(x, sympy.Abs):
+            inner = self.any(x.args[0])
+            return ir.Func(inner.type, "abs", (inner,))
+        if isinstance(x, (sympy.Max, sympy.Min)):
+            name = "max" if isinstance(x, sympy.Max) else "min"
+            return reduce(lambda a, b: self._func2(name, a, b), (self.any(a) for a in x.args))
+        if isinstance(x, sympy.sign):
+            inner = self.float(x.args[0])
+            zero, one = ir.Const(Type.FLOAT, 0.0), ir.Const(Type.FLOAT, 1.0)
+            negative = ir.Where(Type.FLOAT, ir.Compare(Type.BOOL, "<", inner, zero), ir.Neg(Type.FLOAT, one), zero)
+            return ir.Where(Type.FLOAT, ir.Compare(Type.BOOL, ">", inner, zero), one, negative)
+        if isinstance(x, sympy.Heaviside):
+            inner = self.float(x.args[0])
+            zero = ir.Const(Type.FLOAT, 0.0)
+            tie = ir.Where(Type.FLOAT, ir.Compare(Type.BOOL, "<", inner, zero), zero, ir.Const(Type.FLOAT, 0.5))
+            return ir.Where(Type.FLOAT, ir.Compare(Type.BOOL, ">", inner, zero), ir.Const(Type.FLOAT, 1.0), tie)
+        if isinstance(x, sympy.Piecewise):
+            (value, cond), *rest = x.args
+            if cond is sympy.true or not rest:
+                return self.float(value)
+            return ir.Where(Type.FLOAT, self.bool(cond), self.float(value), self.float(sympy.Piecewise(*rest)))
+        if isinstance(x, sympy.Mod):
+            return ir.Arith(Type.INT, "%", self.any(x.args[0]), self.any(x.args[1]))
+        if isinstance(x, sympy.floor):
+            num, den = sympy.fraction(x.args[0])
+            return ir.Arith(Type.INT, "//", self.any(num), self.any(den))
+        raise DerivativeError(f"cannot emit the derivative term {x} of the score expression")
+
+    def bool(self, c: sympy.Basic) -> ir.Expr:
+        if c is sympy.true or c is sympy.false:
+            return ir.Const(Type.BOOL, bool(c))
+        if isinstance(c, sympy.Not):
+            return ir.Not(Type.BOOL, self.bool(c.args[0]))
+        if isinstance(c, (sympy.And, sympy.Or)):
+            op = "and" if isinstance(c, sympy.And) else "or"
+            return reduce(lambda a, b: ir.Logic(Type.BOOL, op, a, b), (self.bool(a) for a in c.args))
+        ops = {sympy.Ge: ">=", sympy.Gt: ">", sympy.Le: "<=", sympy.Lt: "<", sympy.Eq: "==", sympy.Ne: "!="}
+        if type(c) not in ops:
+            raise DerivativeError(f"cannot emit the condition {c} in the score expression's derivative")
+        lhs, rhs = self.any(c.lhs), self.any(c.rhs)
+        if lhs.type is not rhs.type:
+            lhs, rhs = self.float(c.lhs), self.float(c.rhs)
+        return ir.Compare(Type.BOOL, ops[type(c)], lhs, rhs)
+
+    def _arith(self, op: str, a: ir.Expr, b: ir.Expr) -> ir.Expr:
+        if a.type is Type.INT and b.type is Type.INT:
+            return ir.Arith(Type.INT, op, a, b)
+        return ir.Arith(Type.FLOAT, op, self._as_float(a), self._as_float(b))
+
+    def _func2(self, name: str, a: ir.Expr, b: ir.Expr) -> ir.Expr:
+        if a.type is Type.INT and b.type is Type.INT:
+            return ir.Func(Type.INT, name, (a, b))
+        return ir.Func(Type.FLOAT, name, (self._as_float(a), self._as_float(b)))
+
+    @staticmethod
+    def _as_float(e: ir.Expr) -> ir.Expr:
+        if e.type is Type.FLOAT:
+            return e
+        return ir.Const(Type.FLOAT, float(e.value)) if isinstance(e, ir.Const) else ir.ToFloat(Type.FLOAT, e)
+
+    def _power(self, base: sympy.Basic, exponent: sympy.Basic) -> ir.Expr:
+        if exponent.is_Integer and 1 <= exponent <= 4:
+            b = self.any(base)
+            return reduce(lambda x, y: self._arith("*", x, y), [b] * int(exponent))
+        if exponent.is_Integer and -4 <= exponent <= -1:
+            return ir.Arith(Type.FLOAT, "/", ir.Const(Type.FLOAT, 1.0), self._power(base, -exponent))
+        if exponent == sympy.Rational(1, 2):
+            return ir.Func(Type.FLOAT, "sqrt", (self.float(base),))
+        if exponent == sympy.Rational(-1, 2):
+            return ir.Arith(
+                Type.FLOAT, "/", ir.Const(Type.FLOAT, 1.0), ir.Func(Type.FLOAT, "sqrt", (self.float(base),))
+            )
+        # b ** e = exp(e * log(b)) for b > 0, the only case a real-valued score expression reaches.
+        log_b = ir.Func(Type.FLOAT, "log", (self.float(base),))
+        return ir.Func(Type.FLOAT, "exp", (ir.Arith(Type.FLOAT, "*", self.float(exponent), log_b),))

@@ -1,0 +1,85 @@
+"""The generated Triton module as a torch citizen: autograd, torch.compile, inference mode."""
+
+import torch
+
+from attngen.spec import load_spec
+from tests import harness
+
+SPEC = harness.with_dtype(load_spec("specs/sliding_window.toml"), "float32")
+
+
+def _block(attention):
+    """A pre-norm transformer block calling the generated op."""
+    torch.manual_seed(0)
+    heads, head_dim = 2, SPEC.head_dim
+    norm, qkv, proj = (
+        torch.nn.LayerNorm(64),
+        torch.nn.Linear(64, 3 * heads * head_dim),
+        torch.nn.Linear(heads * head_dim, 64),
+    )
+
+    def block(x):
+        batch, seq, _ = x.shape
+        q, k, v = qkv(norm(x)).reshape(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        out = attention(q, k, v, window=16)
+        return x + proj(out.transpose(1, 2).reshape(batch, seq, heads * head_dim))
+
+    return block
+
+
+def _module():
+    harness.fix_interpreter_bf16_dot()
+    return harness.load_target(SPEC, "triton_gpu")
+
+
+def test_dynamo_sees_no_graph_break():
+    block = _block(_module().attention)
+    explanation = torch._dynamo.explain(block)(torch.randn(2, 40, 64))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_compile_does_not_recompile_for_new_lengths():
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    block = torch.compile(_block(_module().attention), backend=counting_backend, dynamic=True)
+    for seq in (33, 48, 71):
+        x = torch.randn(2, seq, 64, requires_grad=True)
+        block(x).sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert len(graphs) == 1
+
+
+def test_compiled_gradients_match_eager():
+    attention = _module().attention
+    torch._dynamo.reset()
+    compiled = torch.compile(_block(attention), backend="aot_eager", dynamic=True)
+    x = torch.randn(2, 37, 64, requires_grad=True)
+    compiled(x).square().sum().backward()
+    grad_compiled = x.grad.clone()
+    x.grad = None
+    _block(attention)(x).square().sum().backward()
+    torch.testing.assert_close(grad_compiled, x.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_mode_and_no_grad():
+    attention = _module().attention
+    q, k, v = (torch.randn(1, 2, 20, SPEC.head_dim) for _ in range(3))
+    with torch.inference_mode():
+        out = attention(q, k, v, window=5)
+    assert not out.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(attention(q, k, v, window=5), out)
+
+
+def test_requires_grad_on_some_inputs_only():
+    attention = _module().attention
+    q = torch.randn(1, 2, 20, SPEC.head_dim, requires_grad=True)
+    k, v = (torch.randn(1, 2, 20, SPEC.head_dim) for _ in range(2))
+    attention(q, k, v, window=5).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
