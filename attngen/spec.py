@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from attngen import ir
+from attngen.backends.pallas_tpu import DEFAULT_VMEM_LIMIT, vmem_estimate
 from attngen.errors import Diagnostic, Location, SpecError
 from attngen.lang import parser
 from attngen.lang.typecheck import Scope, typecheck
@@ -56,6 +57,7 @@ class TritonConfig:
 class PallasTpuConfig:
     block_q: int = 512
     block_kv: int = 512
+    vmem_limit_bytes: int | None = None  # None: Mosaic's default scoped VMEM limit
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ _SCHEMA: dict[str | None, dict[str, tuple[type, str]]] = {
     "mask": {"causal": (bool, "true or false"), "expr": (str, "a string")},
     "score": {"expr": (str, "a string")},
     "triton": {k: (int, "an integer") for k in ("block_m", "block_n", "num_warps", "num_stages", "bwd_num_stages")},
-    "pallas_tpu": {k: (int, "an integer") for k in ("block_q", "block_kv")},
+    "pallas_tpu": {k: (int, "an integer") for k in ("block_q", "block_kv", "vmem_limit_bytes")},
 }
 _TABLES = (*(t for t in _SCHEMA if t is not None), "params")
 
@@ -282,6 +284,22 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
             loc.key("pallas_tpu", "block_kv"),
             "TPU blocks are tiled by (8, 128)",
         )
+
+    if "vmem_limit_bytes" in tpu and not 1 << 20 <= tpu["vmem_limit_bytes"] <= 128 << 20:
+        v.error("pallas_tpu vmem_limit_bytes must be in 1 MiB..128 MiB", loc.key("pallas_tpu", "vmem_limit_bytes"))
+    elif head_dim is not None and dtype in DTYPES and not v.problems:
+        config = PallasTpuConfig(**tpu)
+        limit = config.vmem_limit_bytes or DEFAULT_VMEM_LIMIT
+        itemsize = 4 if dtype == "float32" else 2
+        for kernel, need in vmem_estimate(config.block_q, config.block_kv, head_dim, itemsize).items():
+            if need > limit:
+                v.error(
+                    f"the Pallas {kernel} kernel needs about {need / 2**20:.1f} MiB of VMEM with block_q={config.block_q},"
+                    f" block_kv={config.block_kv}; the scoped limit is {limit / 2**20:.0f} MiB",
+                    loc.table("pallas_tpu") or Location(path, 1, 1),
+                    "use a smaller block_kv or block_q, or raise vmem_limit_bytes",
+                )
+                break
 
     if v.problems:
         raise SpecError(sorted(v.problems, key=_position))

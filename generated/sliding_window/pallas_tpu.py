@@ -24,6 +24,7 @@ DTYPE = jnp.bfloat16
 PARAMS = {"window": int}
 BLOCK_Q = 512
 BLOCK_KV = 512
+VMEM_LIMIT_BYTES = None  # None: Mosaic's default
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # dot_general dims for a.T @ b
 
@@ -233,7 +234,9 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, q_le
             num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
         ),
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT_BYTES
+        ),
         interpret=interpret,
     )
 

@@ -1,0 +1,47 @@
+"""Stage: generated package -> ahead-of-time compile for real GPUs and TPUs, on any machine.
+
+Goals: tell a user on a laptop or a CPU CI runner whether each generated kernel compiles for a
+target and fits its limits (shared memory and spills on GPUs; scoped VMEM on TPUs), with one
+readable line per kernel and target. Non-goals: running kernels (the tests do that) or timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from pathlib import Path
+
+from attngen.build import write_package
+from attngen.check.report import Finding
+from attngen.spec import Spec
+
+GPU_TARGET_NAMES = ("sm90", "sm80")
+TPU_TARGET_NAMES = ("tpu-v5e", "tpu-v5p", "tpu-v6e")
+TARGET_NAMES = (*GPU_TARGET_NAMES, *TPU_TARGET_NAMES)
+
+__all__ = ["TARGET_NAMES", "Finding", "check_spec"]
+
+
+def check_spec(spec: Spec, targets: tuple[str, ...] = TARGET_NAMES) -> list[Finding]:
+    """Build spec into a scratch folder and compile its kernels for each target."""
+    unknown = [t for t in targets if t not in TARGET_NAMES]
+    if unknown:
+        raise ValueError(f"unknown targets {unknown}; choose from {', '.join(TARGET_NAMES)}")
+    findings: list[Finding] = []
+    with tempfile.TemporaryDirectory(prefix="attngen-check-") as tmp:
+        write_package(spec, Path(tmp))
+        package = Path(tmp) / spec.name
+        tag = hashlib.sha256(f"{spec.sha256}:{spec.dtype}".encode()).hexdigest()[:12]
+        gpu_targets = [t for t in targets if t in GPU_TARGET_NAMES]
+        if gpu_targets:
+            from attngen.check import gpu
+
+            findings += gpu.check_gpu_isolated(package / "triton_gpu.py", spec.dtype, gpu_targets)
+        if any(t in TPU_TARGET_NAMES for t in targets):
+            from attngen.check import tpu
+
+            module = tpu.load_module(package / "pallas_tpu.py", f"_attngen_check_{spec.name}_{tag}_pallas")
+            for name in targets:
+                if name in tpu.TPU_TARGETS:
+                    findings += tpu.check_tpu(module, tpu.TPU_TARGETS[name])
+    return findings
