@@ -1,6 +1,7 @@
 """attngen check: ahead-of-time compiles for sm90/sm80 (Triton) and TPU v5e/v5p/v6e (Mosaic)."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -32,11 +33,9 @@ def test_drawn_specs_compile(drawn):
 
 
 def test_too_much_shared_memory_is_one_clear_line(capsys, tmp_path):
-    text = load_spec("specs/full.toml").path
+    text = Path(load_spec("specs/full.toml").path).read_text()
     spec_file = tmp_path / "wide.toml"
-    spec_file.write_text(
-        open(text).read().replace("block_n = 64", "block_n = 128").replace("num_stages = 3", "num_stages = 4")
-    )
+    spec_file.write_text(text.replace("block_n = 64", "block_n = 128").replace("num_stages = 3", "num_stages = 4"))
     assert main(["check", str(spec_file), "--target", "sm80"]) == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if "FAIL" in line]
     assert (

@@ -119,7 +119,10 @@ def test_both_compile_for_tpu_v5e():
         "ours": lambda q, k, v: ours(q, k, v),
         "splash": lambda q, k, v: jax.vmap(splash)(q, k, v),
     }
-    for name, fn in candidates.items():
-        loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32))  # noqa: E731
+    for fn in candidates.values():
+
+        def loss(q, k, v, fn=fn):
+            return jnp.sum(fn(q, k, v).astype(jnp.float32))
+
         with jax.default_device(device):
             jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(lowering_platforms=("tpu",)).compile()
