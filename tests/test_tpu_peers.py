@@ -76,6 +76,18 @@ def test_agrees_with_splash_attention(name):
         np.testing.assert_allclose(ours_grad, their_grad, atol=1e-4, rtol=0)
 
 
+def _flash_blocks():
+    from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
+
+    return jax_flash.BlockSizes(
+        block_q=128, block_k_major=128, block_k=128, block_b=1, block_q_major_dkv=128, block_k_major_dkv=128,
+        block_k_dkv=128, block_q_dkv=128, block_k_major_dq=128, block_k_dq=128, block_q_dq=128,
+    )  # fmt: skip
+
+
+_FLASH_BLOCKS = _flash_blocks()
+
+
 def test_agrees_with_flash_attention_causal():
     import jax
     from jax.experimental.pallas import tpu as pltpu
@@ -84,10 +96,7 @@ def test_agrees_with_flash_attention_causal():
     q, k, v, dout = _inputs()
     scale = 1 / np.sqrt(HEAD_DIM)
     ours = functools.partial(_ours("causal").attention, interpret=pltpu.InterpretParams())
-    sizes = jax_flash.BlockSizes(
-        block_q=128, block_k_major=128, block_k=128, block_b=1, block_q_major_dkv=128, block_k_major_dkv=128,
-        block_k_dkv=128, block_q_dkv=128, block_k_major_dq=128, block_k_dq=128, block_q_dq=128,
-    )  # fmt: skip
+    sizes = _FLASH_BLOCKS
     out, vjp = jax.vjp(ours, q, k, v)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         theirs = functools.partial(jax_flash.flash_attention, causal=True, sm_scale=scale, block_sizes=sizes)
@@ -98,8 +107,9 @@ def test_agrees_with_flash_attention_causal():
         np.testing.assert_allclose(ours_grad, their_grad, atol=1e-4, rtol=0)
 
 
-def test_both_compile_for_tpu_v5e():
-    """Ours and splash, forward and backward, through Mosaic for v5e at the same shapes (bf16)."""
+def test_all_compile_for_tpu_v5e():
+    """Ours, splash and flash_attention, forward and backward, through Mosaic for v5e at the
+    same shapes (bf16)."""
     import jax
     import jax.numpy as jnp
 
@@ -115,9 +125,12 @@ def test_both_compile_for_tpu_v5e():
     )
     ours = harness.load_target(spec, "pallas_tpu").attention
     splash = _splash("causal", None, interpret=False)
+    from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
+
     candidates = {
         "ours": lambda q, k, v: ours(q, k, v),
         "splash": lambda q, k, v: jax.vmap(splash)(q, k, v),
+        "flash_attention": lambda q, k, v: jax_flash.flash_attention(q, k, v, causal=True, block_sizes=_FLASH_BLOCKS),
     }
     for fn in candidates.values():
 
