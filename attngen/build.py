@@ -7,7 +7,9 @@ overwritten. Non-goals: no compilation; kernels compile when first called.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from functools import cache
@@ -108,6 +110,15 @@ def write_package(spec: Spec, out_dir: Path) -> list[BuiltFile]:
             raise
         built.append(BuiltFile(target, changed=True))
     return built
+
+
+def import_generated(path: Path, module_name: str):
+    """Import a generated target module from its file under a name of the caller's choosing."""
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def build(spec_path: str | Path, out_dir: str | Path = "generated") -> list[BuiltFile]:

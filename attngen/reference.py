@@ -74,19 +74,23 @@ def evaluate(e: ir.Expr, env: dict, xp=np):
     raise AssertionError(f"unhandled IR node {e!r}")
 
 
+def positions(batch: int, heads: int, q_len: int, kv_len: int, xp=np, **device) -> dict:
+    """b, h, q_idx, kv_idx as arrays of xp (numpy or torch) broadcasting to [B, H, Lq, Lk]."""
+    arange = (lambda n: xp.arange(n, **device)) if device else xp.arange
+    return {
+        "b": arange(batch).reshape(-1, 1, 1, 1),
+        "h": arange(heads).reshape(1, -1, 1, 1),
+        "q_idx": arange(q_len).reshape(1, 1, -1, 1),
+        "kv_idx": arange(kv_len).reshape(1, 1, 1, -1),
+    }
+
+
 def dense_mask(spec: Spec, batch: int, heads: int, q_len: int, kv_len: int, params: dict) -> np.ndarray:
     """[batch, heads, q_len, kv_len] bool: True where a query attends to a key."""
     shape = (batch, heads, q_len, kv_len)
     if spec.mask is None:
         return np.ones(shape, dtype=bool)
-    env = {
-        "b": np.arange(batch).reshape(-1, 1, 1, 1),
-        "h": np.arange(heads).reshape(1, -1, 1, 1),
-        "q_idx": np.arange(q_len).reshape(1, 1, -1, 1),
-        "kv_idx": np.arange(kv_len).reshape(1, 1, 1, -1),
-        **params,
-    }
-    return np.broadcast_to(evaluate(spec.mask, env), shape)
+    return np.broadcast_to(evaluate(spec.mask, {**positions(batch, heads, q_len, kv_len), **params}), shape)
 
 
 def attention_ref(spec: Spec, q, k, v, *, scale: float | None = None, **params) -> tuple[np.ndarray, np.ndarray]:
@@ -98,14 +102,7 @@ def attention_ref(spec: Spec, q, k, v, *, scale: float | None = None, **params) 
         scale = 1.0 / np.sqrt(head_dim)
     score = scale * np.matmul(q, k.swapaxes(-1, -2))
     if spec.score is not None:
-        env = {
-            "score": score,
-            "b": np.arange(batch).reshape(-1, 1, 1, 1),
-            "h": np.arange(heads).reshape(1, -1, 1, 1),
-            "q_idx": np.arange(q_len).reshape(1, 1, -1, 1),
-            "kv_idx": np.arange(kv_len).reshape(1, 1, 1, -1),
-            **params,
-        }
+        env = {"score": score, **positions(batch, heads, q_len, kv_len), **params}
         score = np.broadcast_to(evaluate(spec.score, env), score.shape)
     visible = dense_mask(spec, batch, heads, q_len, kv_len, params)
     score = np.where(visible, score, -np.inf)
@@ -135,18 +132,13 @@ def attention_ref_torch(spec: Spec, q, k, v, *, scale: float | None = None, dtyp
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))
     device = q.device
-    positions = {
-        "b": torch.arange(batch, device=device).reshape(-1, 1, 1, 1),
-        "h": torch.arange(heads, device=device).reshape(1, -1, 1, 1),
-        "q_idx": torch.arange(q_len, device=device).reshape(1, 1, -1, 1),
-        "kv_idx": torch.arange(kv_len, device=device).reshape(1, 1, 1, -1),
-    }
+    index = positions(batch, heads, q_len, kv_len, torch, device=device)
     score = scale * (q @ k.transpose(-1, -2))
     if spec.score is not None:
-        score = evaluate(spec.score, {"score": score, **positions, **params}, torch).to(dtype).expand_as(score)
+        score = evaluate(spec.score, {"score": score, **index, **params}, torch).to(dtype).expand_as(score)
     visible = torch.ones((), dtype=torch.bool, device=device)
     if spec.mask is not None:
-        visible = evaluate(spec.mask, {**positions, **params}, torch).to(device)
+        visible = evaluate(spec.mask, {**index, **params}, torch).to(device)
     visible = visible.expand(batch, heads, q_len, kv_len)
     # Masked entries leave the graph through where(): their gradient is exactly 0.
     score = torch.where(visible, score, torch.zeros((), dtype=dtype, device=device))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -31,8 +30,8 @@ import triton
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from attngen.build import write_package
-from attngen.reference import attention_ref_torch, evaluate
+from attngen.build import import_generated, write_package
+from attngen.reference import attention_ref_torch, evaluate, positions
 from attngen.spec import load_spec
 
 PARAMS = {
@@ -46,24 +45,13 @@ FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
 
 def load_kernel(spec, out_dir: Path):
     write_package(spec, out_dir)
-    name = f"{spec.name}_{spec.dtype}_triton"
-    module_spec = importlib.util.spec_from_file_location(name, out_dir / spec.name / "triton_gpu.py")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    module_spec.loader.exec_module(module)
-    return module
+    return import_generated(out_dir / spec.name / "triton_gpu.py", f"{spec.name}_{spec.dtype}_triton")
 
 
 def visible_mask(spec, B, H, N, params, device):
     if spec.mask is None:
         return None
-    positions = {
-        "b": torch.arange(B, device=device).reshape(-1, 1, 1, 1),
-        "h": torch.arange(H, device=device).reshape(1, -1, 1, 1),
-        "q_idx": torch.arange(N, device=device).reshape(1, 1, -1, 1),
-        "kv_idx": torch.arange(N, device=device).reshape(1, 1, 1, -1),
-    }
-    return evaluate(spec.mask, {**positions, **params}, torch).expand(B, H, N, N)
+    return evaluate(spec.mask, {**positions(B, H, N, N, torch, device=device), **params}, torch).expand(B, H, N, N)
 
 
 def same_precision_peer(spec, visible):

@@ -8,15 +8,14 @@ implementation in the same precision errs, plus a small floor (the FlashAttentio
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from attngen.build import write_package
-from attngen.reference import attention_ref, attention_ref_torch, dense_mask, evaluate
+from attngen.build import import_generated, write_package
+from attngen.reference import attention_ref, attention_ref_torch, dense_mask, evaluate, positions
 from attngen.spec import Spec, parse_spec
 
 _BUILD_ROOT: Path | None = None
@@ -39,12 +38,7 @@ def load_target(spec: Spec, target: str):
         return sys.modules[module_name]
     out = build_dir() / digest
     write_package(spec, out)
-    location = out / spec.name / f"{target}.py"
-    module_spec = importlib.util.spec_from_file_location(module_name, location)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    module_spec.loader.exec_module(module)
-    return module
+    return import_generated(out / spec.name / f"{target}.py", module_name)
 
 
 def spec_from_text(text: str) -> Spec:
@@ -130,7 +124,7 @@ def lowp_baseline(spec: Spec, p: Problem) -> np.ndarray:
     scale = p.scale if p.scale is not None else 1.0 / np.sqrt(head_dim)
     score = round_to(np.matmul(p.q, p.k.swapaxes(-1, -2)) * np.float32(scale), p.dtype).astype(np.float64)
     if spec.score is not None:
-        env = {"score": score, **_index_env(batch, heads, q_len, kv_len), **p.params}
+        env = {"score": score, **positions(batch, heads, q_len, kv_len), **p.params}
         score = np.broadcast_to(evaluate(spec.score, env), score.shape)
     score = np.where(dense_mask(spec, batch, heads, q_len, kv_len, p.params), score, -np.inf)
     row_max = score.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -138,15 +132,6 @@ def lowp_baseline(spec: Spec, p: Problem) -> np.ndarray:
     total = probs.sum(axis=-1, keepdims=True)
     probs = round_to((probs / np.where(total == 0, 1.0, total)).astype(np.float32), p.dtype)
     return round_to(np.matmul(probs, p.v), p.dtype).astype(np.float64)
-
-
-def _index_env(batch, heads, q_len, kv_len):
-    return {
-        "b": np.arange(batch).reshape(-1, 1, 1, 1),
-        "h": np.arange(heads).reshape(1, -1, 1, 1),
-        "q_idx": np.arange(q_len).reshape(1, 1, -1, 1),
-        "kv_idx": np.arange(kv_len).reshape(1, 1, 1, -1),
-    }
 
 
 FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3}

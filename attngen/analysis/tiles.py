@@ -318,14 +318,10 @@ def _atom(diff: sympy.Expr) -> tuple[_Interval, _Interval] | None:
     return None  # |b| > 1 would need floor division of signed values: left to the mask code
 
 
-def _is_integer(x: sympy.Expr) -> bool:
-    return bool(x.is_integer)
-
-
 def _relation(rel: sympy.Basic) -> sympy.Basic:
     """Rewrite a relational as and/or of `diff >= 0` atoms (integers make strictness exact)."""
     lhs, rhs = rel.lhs, rel.rhs
-    if not (_is_integer(lhs) and _is_integer(rhs)):
+    if not (lhs.is_integer and rhs.is_integer):
         return rel
     ge = lambda d: sympy.Ge(d, 0, evaluate=False)
     if isinstance(rel, sympy.Ge):

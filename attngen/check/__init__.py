@@ -11,7 +11,7 @@ import hashlib
 import tempfile
 from pathlib import Path
 
-from attngen.build import write_package
+from attngen.build import import_generated, write_package
 from attngen.check.report import Finding
 from attngen.spec import Spec
 
@@ -40,7 +40,7 @@ def check_spec(spec: Spec, targets: tuple[str, ...] = TARGET_NAMES) -> list[Find
         if any(t in TPU_TARGET_NAMES for t in targets):
             from attngen.check import tpu
 
-            module = tpu.load_module(package / "pallas_tpu.py", f"_attngen_check_{spec.name}_{tag}_pallas")
+            module = import_generated(package / "pallas_tpu.py", f"_attngen_check_{spec.name}_{tag}_pallas")
             for name in targets:
                 if name in tpu.TPU_TARGETS:
                     findings += tpu.check_tpu(module, tpu.TPU_TARGETS[name])

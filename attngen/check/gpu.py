@@ -12,7 +12,6 @@ TRITON_INTERPRET or has registered the same torch ops.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from attngen.build import import_generated
 from attngen.check.report import Finding
 
 
@@ -44,15 +44,6 @@ _KERNELS = {
     "bwd_dq": ("_attention_bwd_dq", "xxxxffx", "BWD_NUM_STAGES"),
     "bwd_dkdv": ("_attention_bwd_dkdv", "xxxxffxx", "BWD_NUM_STAGES"),
 }
-
-
-def load_module(path: Path, name: str):
-    """Import a generated triton_gpu.py (in this process, which must not be interpreting)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> list[Finding]:
@@ -156,7 +147,7 @@ def check_gpu(module, dtype: str, target: GpuTarget) -> list[Finding]:
 
 def main(argv: list[str]) -> None:
     path, dtype, *targets = argv
-    module = load_module(Path(path), "_attngen_check_triton_gpu")
+    module = import_generated(Path(path), "_attngen_check_triton_gpu")
     for name in targets:
         for finding in check_gpu(module, dtype, GPU_TARGETS[name]):
             print(json.dumps(dataclasses.asdict(finding)), flush=True)

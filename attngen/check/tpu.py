@@ -8,12 +8,9 @@ lowered to Mosaic (jax.export for platform "tpu"), which still catches block-sha
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from attngen.backends.pallas_tpu import DEFAULT_VMEM_LIMIT, vmem_estimate
 from attngen.check.report import Finding
@@ -30,14 +27,6 @@ TPU_TARGETS = {
     "tpu-v5p": TpuTarget("tpu-v5p", "v5p:2x2x1"),
     "tpu-v6e": TpuTarget("tpu-v6e", "v6e:2x2"),
 }
-
-
-def load_module(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _device(target: TpuTarget):
