@@ -1,8 +1,11 @@
 """Stage: Spec -> generated/<name>/ package (one module per target), written deterministically.
 
 Goals: render each target's template from its KernelPlan (Jinja, StrictUndefined), and write
-files atomically and only when their bytes change. A file attngen did not write is never
-overwritten. Non-goals: no compilation; kernels compile when first called.
+files atomically and only when their bytes change. A file attngen did not write (its first line
+is not attngen's header) is never overwritten, not even one that appears while a build runs;
+builds of the same spec may run at once. Every failure to write is a BuildError.
+Non-goals: no compilation; kernels compile when first called. Where a build may write is the
+caller's decision (the CLI keeps it inside the project); this module writes where it is told.
 """
 
 from __future__ import annotations
@@ -19,11 +22,21 @@ import jinja2
 
 from attngen.backends import TARGETS
 from attngen.backends.base import Backend
-from attngen.errors import BuildError
+from attngen.errors import BuildError, shown_path
 from attngen.plan import HEADER_NOTE, KernelPlan, make_plan
 from attngen.spec import Spec, load_spec
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+
+# The package's __init__.py, small enough to need no template file (str.format fields).
+PACKAGE_INIT = '''# {header_note}
+# spec: {name} ({label}), sha256 {sha256}
+"""Attention kernels of spec `{name}`: import one target module ({targets}).
+
+Each target module imports only its own framework.
+"""
+'''
 
 
 @dataclass(frozen=True)
@@ -51,12 +64,17 @@ def render(plan: KernelPlan, backend: Backend) -> str:
 
 
 def spec_label(spec: Spec) -> str:
-    """How generated headers name a spec file: relative to the working directory when inside it."""
+    """How generated headers name a spec file: relative to the working directory when inside it.
+
+    The label goes into a comment of generated source, so anything unprintable in the path (a
+    newline would end the comment and start code) is escaped.
+    """
     path = Path(spec.path)
     try:
-        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
-        return path.name
+        label = path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except (ValueError, OSError):  # outside the working directory, or a path the OS rejects
+        label = path.name
+    return shown_path(label)
 
 
 def package_sources(spec: Spec) -> dict[str, str]:
@@ -64,52 +82,103 @@ def package_sources(spec: Spec) -> dict[str, str]:
     files = {}
     for backend in TARGETS:
         files[backend.filename] = render(make_plan(spec, backend, spec_label(spec)), backend)
-    names = ", ".join(b.name for b in TARGETS)
-    files["__init__.py"] = (
-        f"# {HEADER_NOTE}\n# spec: {spec.name} ({spec_label(spec)}), sha256 {spec.sha256}\n"
-        f'"""Attention kernels of spec `{spec.name}`: import one target module ({names}).\n\n'
-        "Each target module imports only its own framework.\n"
-        '"""\n'
+    files["__init__.py"] = PACKAGE_INIT.format(
+        header_note=HEADER_NOTE,
+        name=spec.name,
+        label=spec_label(spec),
+        sha256=spec.sha256,
+        targets=", ".join(b.name for b in TARGETS),
     )
     return files
 
 
-def _is_ours(path: Path) -> bool:
+_HEADER_LINE = f"# {HEADER_NOTE}".encode()
+# A writer that loses the race for a new file's name looks again; a name that keeps changing
+# under attngen's feet (another program at work) ends the build instead.
+_ATTEMPTS = 8
+
+
+def _not_ours(target: Path) -> BuildError:
+    return BuildError(
+        f"{shown_path(target)} exists and was not written by attngen; move it away or choose another --out"
+    )
+
+
+def _current(target: Path) -> bytes | None:
+    """The bytes of target, or None when nothing (not even a dangling link) has its name."""
     try:
-        with path.open(encoding="utf-8") as f:
-            return f.readline().rstrip("\n") == f"# {HEADER_NOTE}"
-    except (OSError, UnicodeDecodeError):
-        return False
+        return target.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):  # (a file where the package folder should be)
+        if target.is_symlink():
+            raise _not_ours(target) from None
+        return None
+    except OSError:  # a folder, an unreadable file: not attngen's either way
+        raise _not_ours(target) from None
+
+
+def _is_ours(data: bytes) -> bool:
+    return data.split(b"\n", 1)[0].rstrip(b"\r") == _HEADER_LINE
+
+
+def _staged(target: Path, data: bytes) -> Path:
+    """A new file beside target holding data, under a fresh name no other writer uses."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def _write(target: Path, data: bytes) -> BuiltFile:
+    """Make target hold data: a reader (or a concurrent build) sees the old file or the new one,
+    never part of one, and a file attngen did not write is left alone."""
+    for _ in range(_ATTEMPTS):
+        current = _current(target)
+        if current == data:
+            return BuiltFile(target, changed=False)
+        if current is not None and not _is_ours(current):
+            raise _not_ours(target)
+        tmp = _staged(target, data)
+        try:
+            if current is not None:
+                os.replace(tmp, target)
+                return BuiltFile(target, changed=True)
+            try:
+                os.link(tmp, target)  # unlike a rename, fails if the name was taken meanwhile
+                return BuiltFile(target, changed=True)
+            except FileExistsError:
+                continue  # another writer was first: look at what it wrote
+            except OSError:  # a file system without hard links: the rename is atomic still
+                os.replace(tmp, target)
+                return BuiltFile(target, changed=True)
+        finally:
+            tmp.unlink(missing_ok=True)
+    raise BuildError(f"{shown_path(target)} kept changing while attngen wrote it; is another program writing there?")
 
 
 def write_package(spec: Spec, out_dir: Path) -> list[BuiltFile]:
-    """Write generated/<name>/ under out_dir; raises BuildError rather than clobber a user file."""
-    package = out_dir / spec.name
-    sources = package_sources(spec)
-    for name in sources:
-        target = package / name
-        if target.exists() and not _is_ours(target):
-            raise BuildError(f"{target} exists and was not written by attngen; move it away or choose another --out")
-    package.mkdir(parents=True, exist_ok=True)
-    built = []
-    for name, source in sources.items():
-        target = package / name
-        data = source.encode()
-        if target.exists() and target.read_bytes() == data:
-            built.append(BuiltFile(target, changed=False))
-            continue
-        # Atomic: a reader (or a concurrent build) sees the old file or the new one, never half.
-        fd, tmp = tempfile.mkstemp(dir=package, prefix=f".{name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        built.append(BuiltFile(target, changed=True))
-    return built
+    """Write <out_dir>/<name>/; raises BuildError rather than clobber a user file or on any
+    failure to write."""
+    package = Path(out_dir) / spec.name
+    sources = {name: source.encode() for name, source in package_sources(spec).items()}
+    try:
+        # Every name is checked before anything is written: a refusal leaves no half-built package.
+        for name in sources:
+            current = _current(package / name)
+            if current is not None and not _is_ours(current):
+                raise _not_ours(package / name)
+        package.mkdir(parents=True, exist_ok=True)
+        return [_write(package / name, data) for name, data in sources.items()]
+    except OSError as e:
+        raise BuildError(f"cannot write {shown_path(e.filename or package)}: {e.strerror or e}") from None
+    except ValueError as e:  # a path no file system takes (a NUL byte)
+        raise BuildError(f"cannot write {shown_path(package)}: {e}") from None
 
 
 def import_generated(path: Path, module_name: str):

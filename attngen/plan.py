@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from attngen import ir
 from attngen.analysis import analyse_mask
 from attngen.analysis.derivative import score_derivative
-from attngen.analysis.tiles import BY_KEY_BLOCK, BY_QUERY_BLOCK, TILE_VARS
+from attngen.analysis.tiles import BY_KEY_BLOCK, BY_QUERY_BLOCK, TILE_VARS, TileBounds
 from attngen.backends.base import Backend
 from attngen.backends.emit import Dialect, emit
 from attngen.spec import PallasTpuConfig, Spec, TritonConfig
@@ -55,9 +55,10 @@ class KernelPlan:
     score: str | None  # modified score in the target language; None: score unchanged
     score_grad: str | None  # d(modified score)/d(score) in the target language
     positions_in_score: bool  # whether the score expression reads q_idx/kv_idx
-    bounds: BoundsPlan  # kv blocks per q block: forward and dQ
+    bounds: BoundsPlan  # kv blocks per q block: forward
+    dq_bounds: BoundsPlan  # kv blocks per q block: dQ (its kv step may differ from the forward's)
     key_bounds: BoundsPlan  # q blocks per kv block: dK/dV
-    op_name: str  # unique per spec content: names the torch custom ops
+    op_name: str  # unique per spec content and kernel configuration: names the torch custom ops
     helpers: frozenset[str]  # names of helper functions the expressions call
     triton: TritonConfig
     pallas_tpu: PallasTpuConfig
@@ -104,19 +105,36 @@ def spec_text(spec: Spec, which: str) -> str:
     return emit(expr, dialect, names)
 
 
+def _bounds_plan(bounds: TileBounds, lower) -> BoundsPlan:
+    return BoundsPlan(lower(bounds.lo), lower(bounds.hi), lower(bounds.full_lo), lower(bounds.full_hi), bounds.affine)
+
+
+def _digest(spec: Spec) -> str:
+    """12 hex digits that change whenever the generated kernels would: the spec file's hash and
+    every field a tool may have replaced (dtype, head_dim, block sizes when tuning)."""
+    fields = f"{spec.sha256}:{spec.dtype}:{spec.head_dim}:{spec.triton}"
+    return hashlib.sha256(fields.encode()).hexdigest()[:12]
+
+
 def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
     """Lower a spec's expressions and tile bounds into `backend`'s language."""
     params = {p.name: p.type for p in spec.params}
     config = spec.triton if backend.name == "triton_gpu" else spec.pallas_tpu
     bounds = analyse_mask(spec.mask, params, getattr(config, backend.block_kv_key), BY_QUERY_BLOCK)
-    key_bounds = analyse_mask(spec.mask, params, getattr(config, backend.block_q_key), BY_KEY_BLOCK)
+    dq_block_kv = getattr(config, backend.dq_block_kv_key)
+    dq_bounds = (
+        bounds
+        if dq_block_kv == getattr(config, backend.block_kv_key)
+        else analyse_mask(spec.mask, params, dq_block_kv, BY_QUERY_BLOCK)
+    )
+    key_bounds = analyse_mask(spec.mask, params, getattr(config, backend.dkdv_block_q_key), BY_KEY_BLOCK)
     score_grad = score_derivative(spec.score, params) if spec.score is not None else None
     names = {n: n for n in (*ir.INDEX_VARS, "score", *TILE_VARS)}
     names |= {p.name: f"{backend.param_prefix}{p.name}" for p in spec.params}
     lower = lambda e: emit(e, backend.dialect, names)
 
     exprs = [e for e in (spec.mask, spec.score, score_grad) if e is not None]
-    for b in (bounds, key_bounds):
+    for b in (bounds, dq_bounds, key_bounds):
         exprs += [b.lo, b.hi, b.full_lo, b.full_hi]
     helpers = set()
     if any(ir.uses_floor_division(e) for e in exprs):
@@ -141,17 +159,10 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         score=lower(spec.score) if spec.score is not None else None,
         score_grad=lower(score_grad) if score_grad is not None else None,
         positions_in_score=spec.score is not None and bool(ir.variables(spec.score) & {"q_idx", "kv_idx"}),
-        bounds=BoundsPlan(
-            lower(bounds.lo), lower(bounds.hi), lower(bounds.full_lo), lower(bounds.full_hi), bounds.affine
-        ),
-        key_bounds=BoundsPlan(
-            lower(key_bounds.lo),
-            lower(key_bounds.hi),
-            lower(key_bounds.full_lo),
-            lower(key_bounds.full_hi),
-            key_bounds.affine,
-        ),
-        op_name=f"{spec.name}_{hashlib.sha256(f'{spec.sha256}:{spec.dtype}:{spec.head_dim}'.encode()).hexdigest()[:12]}",
+        bounds=_bounds_plan(bounds, lower),
+        dq_bounds=_bounds_plan(dq_bounds, lower),
+        key_bounds=_bounds_plan(key_bounds, lower),
+        op_name=f"{spec.name}_{_digest(spec)}",
         helpers=frozenset(helpers),
         triton=spec.triton,
         pallas_tpu=spec.pallas_tpu,

@@ -93,10 +93,20 @@ def dense_mask(spec: Spec, batch: int, heads: int, q_len: int, kv_len: int, para
     return np.broadcast_to(evaluate(spec.mask, {**positions(batch, heads, q_len, kv_len), **params}), shape)
 
 
+def kv_heads_expanded(x, heads: int, xp=np):
+    """k or v [B, H_kv, L, D] with each kv head repeated for its H / H_kv query heads (GQA/MQA)."""
+    group, rest = divmod(heads, x.shape[1])
+    if rest:
+        raise ValueError(f"{heads} query heads cannot share {x.shape[1]} kv heads evenly")
+    return np.repeat(x, group, axis=1) if xp is np else x.repeat_interleave(group, dim=1)
+
+
 def attention_ref(spec: Spec, q, k, v, *, scale: float | None = None, **params) -> tuple[np.ndarray, np.ndarray]:
-    """(out, lse) in float64 for q [B, H, Lq, D], k, v [B, H, Lk, D] (any array-likes)."""
+    """(out, lse) in float64 for q [B, H, Lq, D], k, v [B, H_kv, Lk, D] (any array-likes;
+    H_kv divides H: query head h reads kv head h // (H / H_kv))."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     batch, heads, q_len, head_dim = q.shape
+    k, v = (kv_heads_expanded(x, heads) for x in (k, v))
     kv_len = k.shape[2]
     if scale is None:
         scale = 1.0 / np.sqrt(head_dim)
@@ -128,6 +138,7 @@ def attention_ref_torch(spec: Spec, q, k, v, *, scale: float | None = None, dtyp
     dtype = dtype or torch.float64
     q, k, v = (x.to(dtype) for x in (q, k, v))
     batch, heads, q_len, head_dim = q.shape
+    k, v = (kv_heads_expanded(x, heads, torch) for x in (k, v))  # autograd sums each group's gradients
     kv_len = k.shape[2]
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))

@@ -1,23 +1,29 @@
 """Stage: a spec file (TOML) -> a validated, frozen Spec holding typed IR.
 
 Goals: read every key the user may write, check each against the targets' constraints, parse
-and type-check the expressions, and report *every* problem at once with file:line:col.
+and type-check the expressions, and report *every* problem at once with file:line:col. Any
+input -- bytes that are not UTF-8, TOML of any shape, values of any type -- ends in a Spec or a
+SpecError, never in another exception; only names that match a strict ASCII pattern leave this
+stage, so nothing else a user writes can reach generated source.
 Non-goals: no analysis of what the mask means (attngen.analysis) and no code generation.
 """
 
 from __future__ import annotations
 
+import bisect
+import datetime
 import hashlib
 import keyword
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from attngen import ir
 from attngen.backends.pallas_tpu import DEFAULT_VMEM_LIMIT, vmem_estimate
-from attngen.errors import Diagnostic, Location, SpecError
+from attngen.backends.triton_gpu import default_config as default_triton_config
+from attngen.errors import Diagnostic, Location, SpecError, shown
 from attngen.lang import parser
 from attngen.lang.typecheck import Scope, typecheck
 
@@ -30,8 +36,11 @@ CAUSAL_MASK = "q_idx >= kv_idx"
 RESERVED_NAMES = frozenset(
     {*ir.INDEX_VARS, "score", "where", *ir.FUNCTIONS, "q", "k", "v", "scale", "return_lse", "interpret"}
 )
-_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-_IDENT_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+# Whole-string patterns (fullmatch: `$` would also accept a trailing newline). ASCII only, so a
+# look-alike letter from another script is not a letter here.
+_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,63}", re.ASCII)
+_IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}", re.ASCII)
+MAX_SPEC_BYTES = 1 << 20  # a spec is a few hundred bytes; this bounds what a stray path can cost
 
 
 @dataclass(frozen=True)
@@ -44,13 +53,24 @@ class Param:
 
 @dataclass(frozen=True)
 class TritonConfig:
-    block_m: int = 128
-    block_n: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    # The dK/dV kernel holds a q and a dO tile per pipeline stage: 3 stages of 128 x 128 bf16
-    # tiles overflow the 227 KiB of shared memory an H100/H200 block may use.
-    bwd_num_stages: int = 2
+    """Tile sizes and pipelining of the Triton kernels; unset keys come from the tuned table
+    (attngen.backends.triton_gpu.default_config)."""
+
+    # Forward: block_m queries per program, block_n keys per step.
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # Backward: the dQ kernel holds dq_block_m queries and steps over dq_block_n keys; the dK/dV
+    # kernel holds dkdv_block_n keys and steps over dkdv_block_m queries.
+    dq_block_m: int
+    dq_block_n: int
+    dq_num_warps: int
+    dq_num_stages: int
+    dkdv_block_m: int
+    dkdv_block_n: int
+    dkdv_num_warps: int
+    dkdv_num_stages: int
 
 
 @dataclass(frozen=True)
@@ -74,59 +94,265 @@ class Spec:
     sha256: str
     mask_source: str | None = None
     score_source: str | None = None
+    triton_pinned: tuple[str, ...] = ()  # the [triton] keys the spec sets; the rest are defaults
 
+
+def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:
+    """The spec at another head_dim and dtype, its unpinned [triton] keys re-defaulted (for tools
+    that sweep shapes, such as the benchmarks)."""
+    pinned = {key: getattr(spec.triton, key) for key in spec.triton_pinned}
+    triton = TritonConfig(**{**default_triton_config(head_dim, dtype), **pinned})
+    return replace(spec, head_dim=head_dim, dtype=dtype, triton=triton)
+
+
+Key = tuple[str, ...]  # a dotted key path, e.g. ("mask", "expr")
 
 # key -> (expected python type, description) for each table.
 _SCHEMA: dict[str | None, dict[str, tuple[type, str]]] = {
     None: {"name": (str, "a string"), "head_dim": (int, "an integer"), "dtype": (str, "a string")},
     "mask": {"causal": (bool, "true or false"), "expr": (str, "a string")},
     "score": {"expr": (str, "a string")},
-    "triton": {k: (int, "an integer") for k in ("block_m", "block_n", "num_warps", "num_stages", "bwd_num_stages")},
+    "triton": {k: (int, "an integer") for k in (f.name for f in fields(TritonConfig))},
     "pallas_tpu": {k: (int, "an integer") for k in ("block_q", "block_kv", "vmem_limit_bytes")},
 }
 _TABLES = (*(t for t in _SCHEMA if t is not None), "params")
+# TOML's escapes in basic strings (\e and \xHH are TOML 1.1, which newer tomllib reads).
+_ESCAPES = {"b": "\b", "t": "\t", "n": "\n", "f": "\f", "r": "\r", "e": "\x1b", '"': '"', "\\": "\\"}
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+
+
+class _TomlPositions:
+    """Where each key of a TOML text sits, and where each character of its string values came from.
+
+    tomllib keeps no positions. This scanner runs only on text tomllib has accepted and follows
+    the TOML grammar just far enough to record, for every dotted key path, the span of its key
+    (or table header) and, for a string value, the source offset of each decoded character (escapes
+    and multi-line strings make the two differ). It never raises: on anything it does not expect
+    it stops, and what it has recorded so far stays usable.
+    """
+
+    def __init__(self, text: str):
+        self.text = text
+        self.pos = 0
+        self.keys: dict[Key, tuple[int, int]] = {}  # path -> [start, end) of its key or header
+        self.strings: dict[Key, list[int]] = {}  # path -> offset of each decoded char, then of the end quote
+        self._document()
+
+    def _peek(self, n: int = 1) -> str:
+        return self.text[self.pos : self.pos + n]
+
+    def _skip(self, chars: str) -> None:
+        while self.pos < len(self.text) and self.text[self.pos] in chars:
+            self.pos += 1
+
+    def _skip_space(self, newlines: bool) -> None:
+        """Skip blanks and comments, and line ends too if `newlines`."""
+        while self.pos < len(self.text):
+            self._skip(" \t\r\n" if newlines else " \t")
+            if self._peek() != "#":
+                return
+            end = self.text.find("\n", self.pos)
+            self.pos = len(self.text) if end < 0 else end
+
+    def _document(self) -> None:
+        table: Key = ()
+        while True:
+            self._skip_space(newlines=True)
+            start = self.pos
+            if start >= len(self.text):
+                return
+            if self._peek() == "[":
+                brackets = 2 if self._peek(2) == "[[" else 1
+                self.pos += brackets
+                table, _ = self._key()
+                self._skip(" \t")
+                self.pos += brackets
+                self.keys.setdefault(table, (start, self.pos))
+            else:
+                self._key_value(table)
+            if self.pos <= start:  # not TOML as this scanner knows it: keep what it found
+                return
+
+    def _key_value(self, table: Key | None) -> None:
+        """`a.b = value` inside `table` (None: inside an array, not recorded)."""
+        start = self.pos
+        parts, end = self._key()
+        path = None if table is None else (*table, *parts)
+        if path is not None:
+            for n in range(len(table) + 1, len(path) + 1):  # a.b.c = 1 also defines tables a and a.b
+                self.keys.setdefault(path[:n], (start, end))
+        self._skip(" \t")
+        if self._peek() != "=":
+            self.pos = len(self.text)
+            return
+        self.pos += 1
+        self._skip(" \t")
+        self._value(path)
+
+    def _key(self) -> tuple[Key, int]:
+        """A dotted key; returns its parts and the offset after its last part."""
+        parts = []
+        while True:
+            self._skip(" \t")
+            if self._peek() in ('"', "'"):
+                parts.append(self._string()[0])
+            else:
+                start = self.pos
+                self._skip("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+                parts.append(self.text[start : self.pos])
+            end = self.pos
+            self._skip(" \t")
+            if self._peek() != ".":
+                return tuple(parts), end
+            self.pos += 1
+
+    def _value(self, path: Key | None) -> None:
+        """Skip one value, recording string positions (path None: inside an array, not recorded)."""
+        c = self._peek()
+        if c in ('"', "'"):
+            _, offsets = self._string()
+            if path is not None:
+                self.strings.setdefault(path, offsets)
+        elif c in ("[", "{"):
+            self.pos += 1
+            close = "]" if c == "[" else "}"
+            while self.pos < len(self.text):
+                self._skip_space(newlines=True)
+                before = self.pos
+                if self._peek() == close:
+                    self.pos += 1
+                    return
+                if c == "[":
+                    self._value(None)
+                else:
+                    self._key_value(path)
+                self._skip_space(newlines=True)
+                if self._peek() == ",":
+                    self.pos += 1
+                if self.pos <= before:
+                    self.pos = len(self.text)
+        else:  # number, bool, date or time (a space may separate a date from its time)
+            while self.pos < len(self.text) and self.text[self.pos] not in ",]}#\r\n":
+                self.pos += 1
+
+    def _string(self) -> tuple[str, list[int]]:
+        """One string of any of TOML's four kinds: its value and the source offset of each of its
+        characters, then of its closing quote."""
+        quote = self._peek()
+        multi = self._peek(3) == quote * 3
+        basic = quote == '"'
+        self.pos += 3 if multi else 1
+        if multi:  # a line end right after the opening quotes is not part of the value
+            self.pos += 2 if self._peek(2) == "\r\n" else self._peek() == "\n"
+        chars, offsets = [], []
+        while self.pos < len(self.text):
+            c = self.text[self.pos]
+            if c == quote and (not multi or self._peek(3) == quote * 3):
+                run = 1
+                while multi and self.text[self.pos + run : self.pos + run + 1] == quote:
+                    run += 1
+                for _ in range(run - 3 if multi else 0):  # quotes just before the closing three
+                    chars.append(quote)
+                    offsets.append(self.pos)
+                    self.pos += 1
+                offsets.append(self.pos)
+                self.pos += 3 if multi else 1
+                return "".join(chars), offsets
+            start = self.pos
+            if basic and c == "\\":
+                escape = self.text[self.pos + 1 : self.pos + 2]
+                if escape in _HEX_ESCAPES:
+                    digits = self.text[self.pos + 2 : self.pos + 2 + _HEX_ESCAPES[escape]]
+                    chars.append(chr(int(digits, 16)) if _is_hex_codepoint(digits) else "\ufffd")
+                    self.pos += 2 + len(digits)
+                elif escape in _ESCAPES:
+                    chars.append(_ESCAPES[escape])
+                    self.pos += 2
+                else:  # a line-ending backslash: the line end and the blanks after it vanish
+                    self.pos += 1
+                    self._skip(" \t\r\n")
+                    continue
+            elif multi and self._peek(2) == "\r\n":  # tomllib reads a CRLF inside a string as "\n"
+                chars.append("\n")
+                self.pos += 2
+            else:
+                chars.append(c)
+                self.pos += 1
+            offsets.append(start)
+        offsets.append(self.pos)
+        return "".join(chars), offsets
+
+
+def _is_hex_codepoint(digits: str) -> bool:
+    return bool(digits) and all(c in "0123456789abcdefABCDEF" for c in digits) and int(digits, 16) <= 0x10FFFF
+
+
+@dataclass(frozen=True)
+class _Spot:
+    """Where a problem is and how many characters of it to underline."""
+
+    location: Location
+    width: int = 1
 
 
 class _Locator:
-    """Finds where keys and values sit in the TOML text (tomllib keeps no positions)."""
-
-    _HEADER = re.compile(r"^\s*\[\s*([A-Za-z0-9_\-]+)\s*\]")
-    _KEY = re.compile(r"^(\s*)([A-Za-z0-9_\-]+)\s*=\s*")
+    """Source positions for a spec's text: offsets, keys and characters inside string values."""
 
     def __init__(self, path: str, text: str):
         self.path = path
-        self.lines = text.splitlines()
-        self.keys: dict[tuple[str | None, str], tuple[int, int, int]] = {}
-        self.tables: dict[str, int] = {}
-        table = None
-        for number, line in enumerate(self.lines, start=1):
-            if m := self._HEADER.match(line):
-                table = m.group(1)
-                self.tables.setdefault(table, number)
-            elif m := self._KEY.match(line):
-                self.keys.setdefault((table, m.group(2)), (number, len(m.group(1)) + 1, m.end() + 1))
+        # Lines end at "\n" only, as TOML (and tomllib's error positions) count them.
+        self.lines = [line.removesuffix("\r") for line in text.split("\n")]
+        self.line_starts = [0]
+        for line in text.split("\n")[:-1]:
+            self.line_starts.append(self.line_starts[-1] + len(line) + 1)
+        self.toml: _TomlPositions | None = None  # filled in once tomllib has accepted the text
 
-    def _at(self, line: int, col: int) -> Location:
-        source = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
-        return Location(self.path, line, col, source)
+    def at(self, offset: int, width: int = 1) -> _Spot:
+        line = bisect.bisect_right(self.line_starts, offset)
+        col = offset - self.line_starts[line - 1] + 1
+        return _Spot(Location(self.path, line, col, self.lines[line - 1]), width)
 
-    def key(self, table: str | None, key: str) -> Location | None:
-        if (table, key) in self.keys:
-            line, col, _ = self.keys[(table, key)]
-            return self._at(line, col)
-        return self.table(table)
+    def line_col(self, line: int, col: int) -> _Spot:
+        line = min(max(line, 1), len(self.lines))
+        return self.at(self.line_starts[line - 1] + max(col, 1) - 1)
 
-    def value(self, table: str | None, key: str, offset: int = 0) -> Location | None:
-        """Location of character `offset` inside a one-line string value (after its quote)."""
-        if (table, key) not in self.keys:
-            return self.table(table)
-        line, _, value_col = self.keys[(table, key)]
-        return self._at(line, value_col + 1 + offset)
+    def start(self) -> _Spot:
+        return self.at(0)
 
-    def table(self, table: str | None) -> Location | None:
-        if table in self.tables:
-            return self._at(self.tables[table], 1)
-        return None
+    def key(self, *path: str) -> _Spot:
+        """The key at `path`, else its nearest enclosing table, else the start of the file."""
+        keys = self.toml.keys if self.toml else {}
+        for n in range(len(path), 0, -1):
+            if path[:n] in keys:
+                start, end = keys[path[:n]]
+                return self.at(start, end - start)
+        return self.start()
+
+    def value(self, *path: str, start: int = 0, end: int | None = None) -> _Spot:
+        """Characters [start, end) of the string value at `path` (the key if it has none)."""
+        offsets = self.toml.strings.get(path) if self.toml else None
+        if offsets is None:
+            return self.key(*path)
+        first = offsets[min(start, len(offsets) - 1)]
+        last = offsets[min(end, len(offsets) - 1)] if end is not None else first + 1
+        return self.at(first, last - first)
+
+
+def _described(value: Any) -> str:
+    """A TOML value as a message shows it: short, in TOML's terms, with nothing unprintable."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return shown(repr(value), 40)
+    if isinstance(value, (int, float)):
+        return shown(str(value), 40)
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, (datetime.date, datetime.time)):  # datetime is a date
+        return f"a date/time ({value.isoformat()})"
+    return shown(repr(value), 40)
 
 
 @dataclass
@@ -134,13 +360,17 @@ class _Validator:
     loc: _Locator
     problems: list[Diagnostic] = field(default_factory=list)
 
-    def error(self, message: str, where: Location | None, hint: str | None = None, width: int = 1) -> None:
-        self.problems.append(Diagnostic(message, where, hint, width))
+    def error(self, message: str, spot: _Spot, hint: str | None = None) -> None:
+        self.problems.append(Diagnostic(message, spot.location, hint, spot.width))
 
     def table(self, data: dict[str, Any], name: str) -> dict[str, Any]:
         value = data.get(name, {})
         if not isinstance(value, dict):
-            self.error(f"`{name}` must be a table ([{name}])", self.loc.key(None, name))
+            self.error(
+                f"`{name}` must be a table ([{name}]), got {_described(value)}",
+                self.loc.key(name),
+                f"write its keys under a [{name}] line",
+            )
             return {}
         return value
 
@@ -151,30 +381,43 @@ class _Validator:
         for key, value in data.items():
             if table is None and key in _TABLES:
                 continue
-            where = self.loc.key(table, key)
+            spot = self.loc.key(*(table,) * (table is not None), key)
             if key not in schema:
                 scope = f"[{table}]" if table else "the top level"
                 allowed = [*schema, *(f"[{t}]" for t in _TABLES)] if table is None else list(schema)
-                self.error(f"unknown key `{key}` in {scope}", where, f"allowed: {', '.join(allowed)}", len(key))
+                self.error(f"unknown key `{shown(key)}` in {scope}", spot, f"allowed: {', '.join(allowed)}")
                 continue
             wanted, description = schema[key]
             if type(value) is not wanted:  # bool is an int subclass: compare exactly
-                self.error(f"`{key}` must be {description}, got {value!r}", where, width=len(key))
+                self.error(f"`{key}` must be {description}, got {_described(value)}", spot, _example(key, wanted))
                 continue
             out[key] = value
         return out
 
-    def expression(self, text: str, table: str, scope: Scope, want: ir.Type) -> ir.Expr | None:
+    def expression(
+        self, text: str, table: str, scope: Scope, want: ir.Type
+    ) -> tuple[ir.Expr | None, frozenset[str] | None]:
+        """The typed IR of an expression (None if it has problems) and the names it reads (None if
+        it does not parse: then they are unknown)."""
         try:
             node = parser.parse(text)
         except parser.ParseError as e:
-            self.error(f"syntax error in [{table}] expr: {e}", self.loc.value(table, "expr", e.offset), width=e.width)
-            return None
+            spot = self.loc.value(table, "expr", start=e.offset, end=e.offset + e.width)
+            self.error(f"syntax error in [{table}] expr: {e}", spot)
+            return None, None
         expr, problems = typecheck(node, scope, want)
         for p in problems:
-            width = max(1, p.span.end - p.span.start)
-            self.error(p.message, self.loc.value(table, "expr", p.span.start), p.hint, width)
-        return expr
+            self.error(p.message, self.loc.value(table, "expr", start=p.span.start, end=p.span.end), p.hint)
+        return expr, parser.names(node)
+
+
+# What a hint shows for a key of the wrong type: its value in specs/ where one is typical.
+_EXAMPLES = {"name": '"causal"', "dtype": '"bfloat16"', "expr": '"q_idx >= kv_idx"', "causal": "true"}
+
+
+def _example(key: str, wanted: type) -> str:
+    value = _EXAMPLES.get(key, {int: "128", str: '"..."', bool: "true"}[wanted])
+    return f"e.g. {key} = {value}"
 
 
 def _position(d: Diagnostic) -> tuple[int, int]:
@@ -185,49 +428,89 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _param_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a param (the hint of the error), or None."""
+    if not _IDENT_RE.fullmatch(name):
+        return "use ASCII letters, digits and _, starting with a letter (at most 64 characters)"
+    if keyword.iskeyword(name):
+        return "this is a Python keyword"
+    if name in RESERVED_NAMES:
+        return f"`{name}` is a name of the expression language or of the generated functions"
+    return None
+
+
+def _load_toml(text: str, loc: _Locator) -> dict[str, Any]:
+    """The TOML document; raises SpecError at the position tomllib names when it rejects it."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        message = str(e)
+        if m := re.search(r"\(at line (\d+), column (\d+)\)$", message):
+            spot = loc.line_col(int(m.group(1)), int(m.group(2)))
+        else:  # "(at end of document)"
+            spot = loc.at(len(text))
+        problem = Diagnostic(f"invalid TOML: {shown(message.split(' (at ')[0], 120)}", spot.location)
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        problem = Diagnostic("invalid TOML: arrays or tables nested too deeply", loc.at(_deep_nesting(text)).location)
+    except ValueError as e:  # e.g. an integer with more digits than Python converts
+        digits = re.search(r"[0-9_]{4000,}", text)
+        spot = loc.at(digits.start() if digits else 0)
+        problem = Diagnostic(f"invalid TOML: {shown(str(e).split(';')[0], 120)}", spot.location)
+    raise SpecError([problem])
+
+
+def _deep_nesting(text: str) -> int:
+    """Offset of the first bracket that opens a 100th level (a guess where nesting went wrong)."""
+    depth = 0
+    for offset, c in enumerate(text):
+        depth += (c in "[{") - (c in "]}")
+        if depth >= 100:
+            return offset
+    return 0
+
+
 def parse_spec(text: str, path: str = "<spec>") -> Spec:
     """Validate spec text; raises SpecError listing every problem."""
     loc = _Locator(path, text)
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
-        where = loc._at(int(m.group(1)), int(m.group(2))) if m else Location(path, 1, 1)
-        raise SpecError([Diagnostic(f"invalid TOML: {str(e).split(' (at')[0]}", where)]) from None
+        sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    except UnicodeEncodeError as e:  # a lone surrogate: only reachable through a str, not a file
+        raise SpecError([Diagnostic("the spec is not valid Unicode (a lone surrogate)", loc.at(e.start).location)])
+    data = _load_toml(text, loc)
+    loc.toml = _TomlPositions(text)
     v = _Validator(loc)
 
     top = v.typed(data, None)
     name = top.get("name")
     if name is None and "name" not in data:
-        v.error("missing `name`", Location(path, 1, 1), 'add e.g. name = "causal" (the package name under generated/)')
-    elif name is not None and (not _NAME_RE.match(name) or keyword.iskeyword(name)):
+        v.error("missing `name`", loc.start(), 'add e.g. name = "causal" (the package name under generated/)')
+    elif name is not None and (not _NAME_RE.fullmatch(name) or keyword.iskeyword(name)):
         v.error(
-            f"name {name!r} is not a valid package name",
-            loc.value(None, "name"),
-            "use lowercase letters, digits and _; start with a letter",
+            f"name {_described(name)} is not a valid package name",
+            loc.value("name", end=len(name)),
+            "use lowercase ASCII letters, digits and _; start with a letter (at most 64 characters)",
         )
     head_dim = top.get("head_dim")
     if head_dim is None and "head_dim" not in data:
-        v.error("missing `head_dim`", Location(path, 1, 1), "add e.g. head_dim = 128")
+        v.error("missing `head_dim`", loc.start(), "add e.g. head_dim = 128")
     elif head_dim is not None and not 16 <= head_dim <= 256:
-        v.error(f"head_dim {head_dim} is outside 16..256", loc.key(None, "head_dim"))
+        v.error(f"head_dim {_described(head_dim)} is outside 16..256", loc.key("head_dim"), "e.g. head_dim = 128")
     dtype = top.get("dtype", "bfloat16")
     if dtype not in DTYPES:
-        v.error(f"dtype {dtype!r} is not supported", loc.value(None, "dtype"), f"use one of {', '.join(DTYPES)}")
+        v.error(
+            f"dtype {_described(dtype)} is not supported",
+            loc.value("dtype", end=len(dtype)),
+            f"use one of {', '.join(DTYPES)}",
+        )
 
     params = []
     raw_params = v.table(data, "params")
     for pname, ptype in raw_params.items():
-        where = loc.key("params", pname)
-        if not _IDENT_RE.match(pname) or keyword.iskeyword(pname) or pname in RESERVED_NAMES:
-            v.error(
-                f"param name {pname!r} is not allowed",
-                where,
-                "use an identifier that is not a keyword or a built-in name",
-                len(pname),
-            )
-        elif ptype not in PARAM_TYPES:
-            v.error(f'param `{pname}` must be "int" or "float", got {ptype!r}', where, width=len(pname))
+        spot = loc.key("params", pname)
+        if hint := _param_name_problem(pname):
+            v.error(f"param name {_described(pname)} is not allowed", spot, hint)
+        elif not isinstance(ptype, str) or ptype not in PARAM_TYPES:
+            v.error(f'param `{pname}` must be "int" or "float", got {_described(ptype)}', spot, f'e.g. {pname} = "int"')
         else:
             params.append(Param(pname, PARAM_TYPES[ptype]))
     scope_params = {p.name: p.type for p in params}
@@ -242,51 +525,56 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         )
     elif mask_table.get("causal"):
         mask_source = CAUSAL_MASK
-    mask = None
+    mask, mask_names = None, frozenset()
     if mask_source is not None:
-        mask = v.expression(mask_source, "mask", Scope(scope_params, allow_score=False), ir.Type.BOOL)
-
+        mask, mask_names = v.expression(mask_source, "mask", Scope(scope_params, allow_score=False), ir.Type.BOOL)
     score_source = v.typed(v.table(data, "score"), "score").get("expr")
-    score = None
+    score, score_names = None, frozenset()
     if score_source is not None:
-        score = v.expression(score_source, "score", Scope(scope_params, allow_score=True), ir.Type.FLOAT)
-
-    used = (ir.variables(mask) if mask else frozenset()) | (ir.variables(score) if score else frozenset())
-    for p in params:
-        if p.name not in used:
-            v.error(f"param `{p.name}` is declared but never used", loc.key("params", p.name), width=len(p.name))
+        score, score_names = v.expression(score_source, "score", Scope(scope_params, allow_score=True), ir.Type.FLOAT)
+    if mask_names is not None and score_names is not None:  # else which names are read is unknown
+        for p in params:
+            if p.name not in mask_names | score_names:
+                v.error(
+                    f"param `{p.name}` is declared but never used",
+                    loc.key("params", p.name),
+                    "read it in the [mask] or [score] expr, or remove it",
+                )
 
     tri = v.typed(v.table(data, "triton"), "triton")
-    for key in ("block_m", "block_n"):
+    for key in ("block_m", "block_n", "dq_block_m", "dq_block_n", "dkdv_block_m", "dkdv_block_n"):
         if key in tri and not (_power_of_two(tri[key]) and 16 <= tri[key] <= 256):
             v.error(
-                f"triton {key} must be a power of two in 16..256, got {tri[key]}",
-                loc.key("triton", key),
-                width=len(key),
+                f"triton {key} must be a power of two in 16..256, got {_described(tri[key])}", loc.key("triton", key)
             )
-    if "num_warps" in tri and tri["num_warps"] not in (1, 2, 4, 8, 16):
-        v.error(f"triton num_warps must be 1, 2, 4, 8 or 16, got {tri['num_warps']}", loc.key("triton", "num_warps"))
-    for key in ("num_stages", "bwd_num_stages"):
+    for key in ("num_warps", "dq_num_warps", "dkdv_num_warps"):
+        if key in tri and tri[key] not in (1, 2, 4, 8, 16):
+            v.error(f"triton {key} must be 1, 2, 4, 8 or 16, got {_described(tri[key])}", loc.key("triton", key))
+    for key in ("num_stages", "dq_num_stages", "dkdv_num_stages"):
         if key in tri and not 1 <= tri[key] <= 8:
-            v.error(f"triton {key} must be in 1..8, got {tri[key]}", loc.key("triton", key))
+            v.error(f"triton {key} must be in 1..8, got {_described(tri[key])}", loc.key("triton", key))
 
     tpu = v.typed(v.table(data, "pallas_tpu"), "pallas_tpu")
     # TPU tiles are (8 sublanes, 128 lanes): q rows are a sublane dim, kv a lane dim of the scores.
     if "block_q" in tpu and not (tpu["block_q"] % 8 == 0 and 8 <= tpu["block_q"] <= 4096):
         v.error(
-            f"pallas_tpu block_q must be a multiple of 8 in 8..4096, got {tpu['block_q']}",
+            f"pallas_tpu block_q must be a multiple of 8 in 8..4096, got {_described(tpu['block_q'])}",
             loc.key("pallas_tpu", "block_q"),
             "TPU blocks are tiled by (8, 128)",
         )
     if "block_kv" in tpu and not (tpu["block_kv"] % 128 == 0 and 128 <= tpu["block_kv"] <= 4096):
         v.error(
-            f"pallas_tpu block_kv must be a multiple of 128 in 128..4096, got {tpu['block_kv']}",
+            f"pallas_tpu block_kv must be a multiple of 128 in 128..4096, got {_described(tpu['block_kv'])}",
             loc.key("pallas_tpu", "block_kv"),
             "TPU blocks are tiled by (8, 128)",
         )
 
     if "vmem_limit_bytes" in tpu and not 1 << 20 <= tpu["vmem_limit_bytes"] <= 128 << 20:
-        v.error("pallas_tpu vmem_limit_bytes must be in 1 MiB..128 MiB", loc.key("pallas_tpu", "vmem_limit_bytes"))
+        v.error(
+            "pallas_tpu vmem_limit_bytes must be in 1 MiB..128 MiB",
+            loc.key("pallas_tpu", "vmem_limit_bytes"),
+            "e.g. vmem_limit_bytes = 33554432 (32 MiB)",
+        )
     elif head_dim is not None and dtype in DTYPES and not v.problems:
         config = PallasTpuConfig(**tpu)
         limit = config.vmem_limit_bytes or DEFAULT_VMEM_LIMIT
@@ -296,7 +584,7 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
                 v.error(
                     f"the Pallas {kernel} kernel needs about {need / 2**20:.1f} MiB of VMEM with block_q={config.block_q},"
                     f" block_kv={config.block_kv}; the scoped limit is {limit / 2**20:.0f} MiB",
-                    loc.table("pallas_tpu") or Location(path, 1, 1),
+                    loc.key("pallas_tpu"),
                     "use a smaller block_kv or block_q, or raise vmem_limit_bytes",
                 )
                 break
@@ -310,20 +598,39 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         mask=mask,
         score=score,
         params=tuple(params),
-        triton=TritonConfig(**tri),
+        triton=TritonConfig(**{**default_triton_config(head_dim, dtype), **tri}),
+        triton_pinned=tuple(sorted(tri)),
         pallas_tpu=PallasTpuConfig(**tpu),
         path=path,
-        sha256=hashlib.sha256(text.encode()).hexdigest(),
+        sha256=sha256,
         mask_source=mask_source,
         score_source=score_source,
     )
 
 
 def load_spec(path: str | Path) -> Spec:
-    """Read and validate a spec file."""
+    """Read and validate a spec file (UTF-8; a byte-order mark is allowed)."""
     path = Path(path)
+    where = Location(str(path), 1, 1)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError([Diagnostic(f"cannot read spec: {e}", Location(str(path), 1, 1))]) from None
-    return parse_spec(text, str(path))
+        if path.exists() and not path.is_file():  # a folder, or a FIFO that would block a read
+            kind = "a folder" if path.is_dir() else "not a regular file"
+            raise SpecError([Diagnostic(f"cannot read spec: it is {kind}", where)])
+        with path.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError([Diagnostic(f"cannot read spec: {shown(e.strerror or str(e), 200)}", where)]) from None
+    except ValueError as e:  # a path no file system takes (a NUL byte)
+        raise SpecError([Diagnostic(f"cannot read spec: {e}", where)]) from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError([Diagnostic(f"the spec is larger than {MAX_SPEC_BYTES >> 20} MiB", where)])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = data.decode("utf-8", "replace")
+        bad = len(data[: e.start].decode("utf-8", "replace"))
+        spot = _Locator(str(path), text).at(bad)
+        raise SpecError(
+            [Diagnostic(f"the spec is not UTF-8: byte 0x{data[e.start]:02x}", spot.location, "save it as UTF-8")]
+        ) from None
+    return parse_spec(text.removeprefix("\ufeff"), str(path))

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from attngen.build import import_generated, write_package
-from attngen.reference import attention_ref, attention_ref_torch, dense_mask, evaluate, positions
-from attngen.spec import Spec, parse_spec
+from attngen.reference import attention_ref, attention_ref_torch, dense_mask, evaluate, kv_heads_expanded, positions
+from attngen.spec import Spec, parse_spec, retarget
 
 _BUILD_ROOT: Path | None = None
 
@@ -51,8 +51,10 @@ def spec_from_text(text: str) -> Spec:
 def fix_interpreter_bf16_dot() -> None:
     """Work around triton-lang/triton#11584 in the harness, not the kernels.
 
-    The interpreter stores bf16 as raw uint16 bits and hands those bits to numpy's matmul. Widen
-    bf16 operands to float32 first (exact: bf16 is the top half of a float32).
+    The interpreter stores bf16 as raw uint16 bits and hands those bits to numpy: to matmul, and to
+    the arithmetic of binary operators (so -x or x - y on bf16 tensors computes on the bits).
+    Widen bf16 operands to float32 first (exact: bf16 is the top half of a float32); a bf16
+    arithmetic result is rounded back to bf16 as the hardware would.
     """
     import triton.language as tl
     from triton.runtime import interpreter
@@ -60,7 +62,7 @@ def fix_interpreter_bf16_dot() -> None:
     builder = interpreter.InterpreterBuilder
     if getattr(builder.create_dot, "_attngen_bf16_fix", False):
         return
-    original = builder.create_dot
+    original_dot, original_binary_op = builder.create_dot, builder.binary_op
 
     def widen(handle):
         if handle.dtype.scalar == tl.bfloat16:
@@ -69,10 +71,16 @@ def fix_interpreter_bf16_dot() -> None:
         return handle
 
     def create_dot(self, a, b, d, *args):
-        return original(self, widen(a), widen(b), d, *args)
+        return original_dot(self, widen(a), widen(b), d, *args)
+
+    def binary_op(self, lhs, rhs, op):
+        if lhs.dtype.scalar != tl.bfloat16:
+            return original_binary_op(self, lhs, rhs, op)
+        result = interpreter.TensorHandle(op(widen(lhs).data, widen(rhs).data).astype(np.float32), tl.float32)
+        return self.cast_impl(result, tl.bfloat16)
 
     create_dot._attngen_bf16_fix = True
-    builder.create_dot = create_dot
+    builder.create_dot, builder.binary_op = create_dot, binary_op
 
 
 # ----------------------------------------------------------------------------- inputs and oracle
@@ -93,12 +101,12 @@ class Problem:
 
 
 def make_problem(
-    spec: Spec, batch: int, heads: int, q_len: int, kv_len: int, seed: int, params: dict, scale=None
+    spec: Spec, batch: int, heads: int, q_len: int, kv_len: int, seed: int, params: dict, scale=None, kv_heads=None
 ) -> Problem:
-    """Fresh random inputs (never zeros), rounded to the spec's dtype."""
+    """Fresh random inputs (never zeros), rounded to the spec's dtype; kv_heads < heads for GQA."""
     rng = np.random.default_rng(seed)
     shape_q = (batch, heads, q_len, spec.head_dim)
-    shape_kv = (batch, heads, kv_len, spec.head_dim)
+    shape_kv = (batch, kv_heads or heads, kv_len, spec.head_dim)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in (shape_q, shape_kv, shape_kv))
     q, k, v = (round_to(x, spec.dtype) for x in (q, k, v))
     return Problem(q, k, v, spec.dtype, scale, params)
@@ -122,7 +130,8 @@ def lowp_baseline(spec: Spec, p: Problem) -> np.ndarray:
     batch, heads, q_len, head_dim = p.q.shape
     kv_len = p.k.shape[2]
     scale = p.scale if p.scale is not None else 1.0 / np.sqrt(head_dim)
-    score = round_to(np.matmul(p.q, p.k.swapaxes(-1, -2)) * np.float32(scale), p.dtype).astype(np.float64)
+    k, v = (kv_heads_expanded(x, heads) for x in (p.k, p.v))
+    score = round_to(np.matmul(p.q, k.swapaxes(-1, -2)) * np.float32(scale), p.dtype).astype(np.float64)
     if spec.score is not None:
         env = {"score": score, **positions(batch, heads, q_len, kv_len), **p.params}
         score = np.broadcast_to(evaluate(spec.score, env), score.shape)
@@ -131,7 +140,7 @@ def lowp_baseline(spec: Spec, p: Problem) -> np.ndarray:
     probs = np.exp(score - np.where(np.isfinite(row_max), row_max, 0.0))
     total = probs.sum(axis=-1, keepdims=True)
     probs = round_to((probs / np.where(total == 0, 1.0, total)).astype(np.float32), p.dtype)
-    return round_to(np.matmul(probs, p.v), p.dtype).astype(np.float64)
+    return round_to(np.matmul(probs, v), p.dtype).astype(np.float64)
 
 
 FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3}
@@ -185,10 +194,13 @@ def run_pallas(spec: Spec, p: Problem, interpret=True):
 
 
 def with_dtype(spec: Spec, dtype: str) -> Spec:
-    """The same spec for another dtype (a different source, so a different package hash)."""
+    """The spec as if written for another dtype: its unpinned [triton] keys from that dtype's tuned
+    entry, and a different package hash."""
     import dataclasses
 
-    return dataclasses.replace(spec, dtype=dtype, sha256=hashlib.sha256(f"{spec.sha256}:{dtype}".encode()).hexdigest())
+    return dataclasses.replace(
+        retarget(spec, spec.head_dim, dtype), sha256=hashlib.sha256(f"{spec.sha256}:{dtype}".encode()).hexdigest()
+    )
 
 
 # ----------------------------------------------------------------------------- gradients

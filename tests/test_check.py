@@ -35,13 +35,13 @@ def test_drawn_specs_compile(drawn):
 def test_too_much_shared_memory_is_one_clear_line(capsys, tmp_path):
     text = Path(load_spec("specs/full.toml").path).read_text()
     spec_file = tmp_path / "wide.toml"
-    spec_file.write_text(text.replace("block_n = 64", "block_n = 128").replace("num_stages = 3", "num_stages = 4"))
-    assert main(["check", str(spec_file), "--target", "sm80"]) == 1
+    spec_file.write_text(text + "[triton]\nblock_m = 128\nblock_n = 128\nnum_warps = 8\nnum_stages = 4\n")
+    assert main(["check", str(spec_file), "--target", "sm90"]) == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if "FAIL" in line]
     assert (
-        lines[0].strip().startswith("FAIL sm80 fwd (block_m=128 block_n=128 num_warps=8 num_stages=4): shared memory")
+        lines[0].strip().startswith("FAIL sm90 fwd (block_m=128 block_n=128 num_warps=8 num_stages=4): shared memory")
     )
-    assert "> 163 KiB per block" in lines[0]
+    assert "> 227 KiB per block" in lines[0]
 
 
 def test_scoped_vmem_overflow_is_one_clear_line():

@@ -1,11 +1,13 @@
-"""Spec validation: every problem reported at once, each at file:line:col with a caret."""
+"""Spec validation: every problem reported at once, each at file:line:col with a caret; any
+malformed input is a SpecError, never another exception."""
 
+import os
 from pathlib import Path
 
 import pytest
 
 from attngen.errors import SpecError
-from attngen.spec import CAUSAL_MASK, PallasTpuConfig, TritonConfig, load_spec, parse_spec
+from attngen.spec import CAUSAL_MASK, MAX_SPEC_BYTES, PallasTpuConfig, load_spec, parse_spec
 
 GOOD = 'name = "ok"\nhead_dim = 64\n'
 
@@ -19,7 +21,7 @@ def problems(text: str) -> list[str]:
 def test_defaults_and_causal_shorthand():
     spec = parse_spec(GOOD + "[mask]\ncausal = true\n", "s.toml")
     assert spec.dtype == "bfloat16" and spec.mask_source == CAUSAL_MASK
-    assert spec.triton == TritonConfig() and spec.pallas_tpu == PallasTpuConfig()
+    assert spec.pallas_tpu == PallasTpuConfig()  # (unset [triton] keys come from the tuned table)
     assert spec.score is None and spec.params == ()
     assert parse_spec(GOOD, "s.toml").mask is None
 
@@ -95,3 +97,172 @@ def test_specs_folder_is_valid():
     for path in sorted(Path(__file__).resolve().parent.parent.joinpath("specs").glob("*.toml")):
         spec = load_spec(path)
         assert spec.name == path.stem
+
+
+# ----------------------------------------------------------------------------- malformed input
+
+
+def diagnostics(text: str) -> list:
+    with pytest.raises(SpecError) as e:
+        parse_spec(text, "s.toml")
+    assert e.value.diagnostics and all(d.location is not None for d in e.value.diagnostics)
+    return list(e.value.diagnostics)
+
+
+def where(d) -> tuple[int, int]:
+    return d.location.line, d.location.col
+
+
+def load_problem(path) -> str:
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    (d,) = e.value.diagnostics
+    return d.render()
+
+
+def test_unreadable_spec_files(tmp_path):
+    assert "cannot read spec: it is a folder" in load_problem(tmp_path)
+    assert "No such file or directory" in load_problem(tmp_path / "missing.toml")
+    assert "embedded null byte" in load_problem(tmp_path / "nul\0.toml")
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    assert "not a regular file" in load_problem(fifo)  # and the read does not block
+    big = tmp_path / "big.toml"
+    big.write_bytes(GOOD.encode() + b"#" * MAX_SPEC_BYTES)
+    assert "larger than 1 MiB" in load_problem(big)
+
+
+def test_bytes_that_are_not_utf8_are_located(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(GOOD.encode() + "# café\n".encode("latin-1"))
+    rendered = load_problem(path)
+    assert (
+        rendered.startswith(f"{path}:3:6: error: the spec is not UTF-8: byte 0xe9")
+        and "hint: save it as UTF-8" in rendered
+    )
+
+
+def test_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())
+    assert load_spec(path).name == "ok"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "missing `name`"),
+        ('name = "x"\nhead_dim = ' + "[" * 2000 + "]" * 2000 + "\n", "nested too deeply"),
+        ('name = "x"\nhead_dim = ' + "9" * 5000 + "\n", "Exceeds the limit"),
+        ('name = "x"\nhead_dim = 64\n[mask]\nexpr = "q_idx >= kv_idx\n', "invalid TOML"),
+        ('name = "x"\nhead_dim = 64\nname = "y"\n', "invalid TOML"),
+        ('name = "x"\nhead_dim = 64\n[mask]\nexpr = "\ud800"\n', "not valid Unicode"),
+    ],
+)
+def test_malformed_toml_is_a_located_error(text, message):
+    assert message in diagnostics(text)[0].message
+
+
+BAD_VALUES = {
+    "an array": "[1, 2]",
+    "a table": "{ a = 1 }",
+    "a date/time": "1979-05-27T07:32:00Z",
+    "nan": "nan",
+    "inf": "-inf",
+    "huge int": "99999999999999999999999999",
+    "bool": "true",
+    "float": "64.0",
+    "string": '"64"',
+}
+
+
+@pytest.mark.parametrize("value", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+@pytest.mark.parametrize(
+    "table, key", [(None, "head_dim"), (None, "name"), ("mask", "causal"), ("score", "expr"), ("triton", "block_m")]
+)
+def test_wrong_types_everywhere_are_located(table, key, value):
+    """A value of any TOML type at any key: one error, on the key's line, no exception."""
+    lines = ['name = "ok"', "head_dim = 64"]
+    lines = [line for line in lines if not (table is None and line.startswith(key))]
+    lines = (
+        ([f"{key} = {value}"] if table is None else []) + lines + ([f"[{table}]", f"{key} = {value}"] if table else [])
+    )
+    text = "\n".join(lines) + "\n"
+    try:
+        spec = parse_spec(text, "s.toml")
+    except SpecError as e:
+        line = text.splitlines().index(f"{key} = {value}") + 1
+        assert [d.location.line for d in e.diagnostics] == [line], e
+    else:  # some values have the right type somewhere (a string for a name, true for causal)
+        assert spec is not None
+
+
+@pytest.mark.parametrize(
+    "text, line, col, message",
+    [
+        # Tables in every TOML form: [[array of tables]], [dotted.header], inline tables, dotted keys.
+        (GOOD + "[[mask]]\nexpr = 'q_idx > 0'\n", 3, 1, "`mask` must be a table ([mask]), got an array"),
+        (GOOD + "[mask.expr]\nx = 1\n", 3, 1, "`expr` must be a string, got a table"),
+        (GOOD + "[params.w]\nx = 1\n", 3, 1, 'param `w` must be "int" or "float", got a table'),
+        (GOOD + "triton = { block_m = 32, colour = 1 }\n", 3, 26, "unknown key `colour` in [triton]"),
+        (GOOD + "triton.colour = 1\n", 3, 1, "unknown key `colour` in [triton]"),
+        (GOOD + '"quoted key" = 1\n', 3, 1, "unknown key `quoted key`"),
+        (GOOD + "mask = { expr = 'q_idx > nope' }\n", 3, 26, "unknown name `nope`"),
+        # Columns inside strings count source characters: escapes are wider than what they mean.
+        (GOOD + '[mask]\nexpr = "q_idx >= \\u006bv_idx and nope"\n', 4, 34, "unknown name `nope`"),
+        # A multi-line string: the line and column of the character inside it (a line end).
+        (GOOD + '[mask]\nexpr = """\nq_idx >= kv_idx and\n  nope > 1"""\n', 5, 20, "unexpected character '\\n'"),
+        # Line numbers count "\n" only, as TOML does, whatever else Unicode calls a line break.
+        (GOOD + "# a\u2028comment\x85with breaks\n[mask]\nexpr = 'nope > 1'\n", 5, 9, "unknown name `nope`"),
+        ('name = "x"\r\nhead_dim = 64\r\n[mask]\r\nexpr = "nope > 1"\r\n', 4, 9, "unknown name `nope`"),
+    ],
+)
+def test_locations_in_every_toml_form(text, line, col, message):
+    (d,) = diagnostics(text)
+    assert message in d.message and where(d) == (line, col), d.render()
+
+
+@pytest.mark.parametrize(
+    "name", ["causal\n", "caus\u0430l", "a" * 65, "", "__init__", "import", "sp ace", "../up", "a.b", "A"]
+)
+def test_package_names_are_strict(name):
+    """fullmatch, ASCII: a trailing newline or a Cyrillic look-alike does not slip through."""
+    escaped = name.replace("\n", "\\n")
+    (d,) = diagnostics(f'name = "{escaped}"\nhead_dim = 64\n')
+    assert "is not a valid package name" in d.message
+
+
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("w\\n", "ASCII letters"),
+        ("wіndow", "ASCII letters"),  # Cyrillic і
+        ("_w", "ASCII letters"),
+        ("__class__", "ASCII letters"),
+        ("a" * 65, "ASCII letters"),
+        ("lambda", "keyword"),
+        ("where", "name of the expression language"),
+    ],
+)
+def test_param_names_are_strict(name, hint):
+    (d,) = diagnostics(GOOD + f'[mask]\nexpr = "q_idx >= 0"\n[params]\n"{name}" = "int"\n')
+    assert "is not allowed" in d.message and hint in d.hint
+
+
+def test_messages_escape_what_a_terminal_would_run():
+    """An escape sequence in a key reaches the message escaped, never raw."""
+    (d,) = diagnostics(GOOD + '"\\u001b[2J" = 1\n')
+    rendered = d.render()
+    assert "\x1b" not in rendered and "\\x1b[2J" in rendered
+
+
+def test_long_lines_are_shown_around_the_caret():
+    long_mask = " or ".join(["q_idx >= kv_idx"] * 60) + " or nope > 1"
+    (d,) = diagnostics(GOOD + f'[mask]\nexpr = "{long_mask}"\n')
+    _, shown_line, caret = d.render().splitlines()[:3]
+    assert len(shown_line) < 120 and shown_line[caret.index("^") :].startswith("nope")
+
+
+def test_unused_params_are_not_guessed_when_an_expression_does_not_parse():
+    (d,) = diagnostics(GOOD + '[mask]\nexpr = "q_idx >= w +"\n[params]\nw = "int"\n')
+    assert "unexpected end" in d.message

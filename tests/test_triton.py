@@ -23,7 +23,7 @@ DRAWN = {
     "drawn": specs(),
     "shape": shapes(),
     "seed": st.integers(0, 2**32 - 1),
-    "scale": st.sampled_from([None, 0.05, 0.3]),
+    "scale": st.sampled_from([None, 0.05, 0.3, -0.2]),  # negative: the forward flips q
 }
 
 

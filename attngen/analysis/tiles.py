@@ -296,6 +296,14 @@ def _q_extremes(a: int, c: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
     return (at_first, at_last) if a >= 0 else (at_last, at_first)
 
 
+def _all_or_none(condition: sympy.Basic) -> _Interval:
+    """Every key if condition holds, else the empty interval [kv_len, -1]: its ends are neutral
+    in a hull (or), so an `or` with a false row-only condition keeps the other side's bounds."""
+    return _Interval(
+        sympy.Piecewise((0, condition), (KV_LEN, True)), sympy.Piecewise((KV_LEN - 1, condition), (-1, True))
+    )
+
+
 def _atom(diff: sympy.Expr) -> tuple[_Interval, _Interval] | None:
     """(visit, full) for the atom diff >= 0, or None if it is not affine in kv_idx."""
     diff = sympy.expand(diff)
@@ -304,11 +312,9 @@ def _atom(diff: sympy.Expr) -> tuple[_Interval, _Interval] | None:
     if not (a.is_Integer and b.is_Integer and c.is_integer and not c.has(Q, K)):
         return None
     a, b = int(a), int(b)
-    if b == 0:  # a condition on the row alone: whole block in, whole block out, or partial
+    if b == 0:  # a condition on the row alone: every key of the row or none
         low, high = _q_extremes(a, c)
-        ever = sympy.Piecewise((KV_LEN - 1, high >= 0), (-1, True))
-        always = sympy.Piecewise((KV_LEN - 1, low >= 0), (-1, True))
-        return _Interval(sympy.Integer(0), ever), _Interval(sympy.Integer(0), always)
+        return _all_or_none(high >= 0), _all_or_none(low >= 0)
     if b == 1:  # kv_idx >= -(a*q + c)
         low, high = _q_extremes(-a, -c)
         return _Interval(low, KV_LEN - 1), _Interval(high, KV_LEN - 1)

@@ -13,8 +13,11 @@ class Backend:
     template: str  # path under templates/
     dialect: Dialect  # templates name q_idx, kv_idx, b, h, score and the tile variables as the IR does
     param_prefix: str  # kernels read param `x` as f"{param_prefix}{x}" (never shadows a name)
-    block_q_key: str  # which config fields size q and kv blocks: tile analysis depends on them
+    # Which config fields size the blocks a tile analysis depends on: the kv step of the forward
+    # and of the dQ kernel (per q block), and the q step of the dK/dV kernel (per kv block).
     block_kv_key: str
+    dq_block_kv_key: str
+    dkdv_block_q_key: str
     helper_functions: frozenset[str]  # dialect functions the template defines only when used
 
     @property

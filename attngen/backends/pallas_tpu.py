@@ -23,8 +23,9 @@ PALLAS_TPU = Backend(
         floormod=None,
     ),
     param_prefix="param_",
-    block_q_key="block_q",
     block_kv_key="block_kv",
+    dq_block_kv_key="block_kv",
+    dkdv_block_q_key="block_q",
     helper_functions=frozenset(),
 )
 

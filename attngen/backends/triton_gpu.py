@@ -1,5 +1,10 @@
 """Target: Triton for NVIDIA (and AMD) GPUs, on torch tensors."""
 
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
 from attngen.backends.base import Backend
 from attngen.backends.emit import Dialect
 
@@ -23,7 +28,69 @@ TRITON_GPU = Backend(
         floormod="floormod",
     ),
     param_prefix="param_",
-    block_q_key="block_m",
     block_kv_key="block_n",
+    dq_block_kv_key="dq_block_n",
+    dkdv_block_q_key="dkdv_block_m",
     helper_functions=frozenset({"tanh", "floordiv", "floormod"}),
 )
+
+
+# ----------------------------------------------------------------------------- tuned defaults
+# Specs that do not pin their [triton] keys take them from a table of measured winners, per
+# (GPU, head_dim, dtype), written by `attngen tune` (attngen/tune.py) and committed with the code,
+# so that builds stay deterministic. A build targets the table's default_gpu.
+
+TUNED_TABLE = Path(__file__).resolve().parent / "triton_tuned.toml"
+_HEADER = (
+    "# Triton kernel configurations measured fastest per (GPU, head_dim, dtype): written by\n"
+    "# `attngen tune`, read by `attngen build` for specs that do not pin their [triton] keys.\n"
+    "# A spec of head_dim D takes the entry of its dtype with the smallest head_dim >= D.\n"
+)
+
+
+@dataclass(frozen=True)
+class TunedEntry:
+    gpu: str
+    head_dim: int
+    dtype: str
+    config: dict[str, int]  # every TritonConfig field
+
+
+def _load_table(path: Path | None = None) -> tuple[str, list[TunedEntry]]:
+    with (path or TUNED_TABLE).open("rb") as f:
+        data = tomllib.load(f)
+    entries = [TunedEntry(e.pop("gpu"), e.pop("head_dim"), e.pop("dtype"), e) for e in data["entry"]]
+    return data["default_gpu"], entries
+
+
+def default_config(head_dim: int, dtype: str) -> dict[str, int]:
+    """[triton] values for a spec of this head_dim and dtype that does not set them."""
+    gpu, entries = _load_table()
+    fitting = [e for e in entries if e.gpu == gpu and e.dtype == dtype and e.head_dim >= head_dim]
+    if not fitting:
+        raise ValueError(f"{TUNED_TABLE.name} has no {gpu} entry for {dtype} with head_dim >= {head_dim}")
+    return dict(min(fitting, key=lambda e: e.head_dim).config)
+
+
+def write_tuned_table(new: list[TunedEntry], path: Path | None = None) -> None:
+    """Merge `new` into the table (replacing entries of the same GPU, head_dim and dtype)."""
+    path = path or TUNED_TABLE
+    gpu, entries = _load_table(path)
+    keys = {(e.gpu, e.head_dim, e.dtype) for e in new}
+    merged = sorted(
+        [e for e in entries if (e.gpu, e.head_dim, e.dtype) not in keys] + new,
+        key=lambda e: (e.gpu, e.dtype, e.head_dim),
+    )
+    lines = [_HEADER, f"default_gpu = {json.dumps(gpu)}"]
+    for e in merged:
+        lines += [
+            "",
+            "[[entry]]",
+            f"gpu = {json.dumps(e.gpu)}",
+            f"head_dim = {e.head_dim}",
+            f"dtype = {json.dumps(e.dtype)}",
+        ]
+        lines += [f"{key} = {int(value)}" for key, value in e.config.items()]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)

@@ -37,12 +37,22 @@ GPU_TARGETS = {
     "sm80": GpuTarget("sm80", 80, 163 * 1024),
 }
 
-_POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
-# (kernel function, what its pointer arguments hold: "x" the input dtype, "f" float32 stats)
+_ELEMENT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    function: str
+    tensors: str  # per tensor argument: "m" / "n" a descriptor of block_m / block_n rows, "f" a float32 pointer
+    blocks: tuple[str, str, str, str]  # the module constants: block_m, block_n, num_warps, num_stages
+
+
 _KERNELS = {
-    "fwd": ("_attention_fwd", "xxxxf", "NUM_STAGES"),
-    "bwd_dq": ("_attention_bwd_dq", "xxxxffx", "BWD_NUM_STAGES"),
-    "bwd_dkdv": ("_attention_bwd_dkdv", "xxxxffxx", "BWD_NUM_STAGES"),
+    "fwd": _Kernel("_attention_fwd", "mnnmf", ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")),
+    "bwd_dq": _Kernel("_attention_bwd_dq", "mnnmmfffm", ("DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS", "DQ_NUM_STAGES")),
+    "bwd_dkdv": _Kernel(
+        "_attention_bwd_dkdv", "mnnmffnn", ("DKDV_BLOCK_M", "DKDV_BLOCK_N", "DKDV_NUM_WARPS", "DKDV_NUM_STAGES")
+    ),
 }
 
 
@@ -61,32 +71,32 @@ def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> list[Findi
     return [Finding(**json.loads(line)) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
-def _signature(module, fn, pointers: str, dtype: str):
+def _signature(module, kernel: _Kernel, dtype: str):
     """Argument types as a launch on contiguous tensors would specialise them."""
-    import triton.language as tl  # noqa: F401  (triton must be importable)
-
+    fn = getattr(module, kernel.function)
+    block_m, block_n = (getattr(module, name) for name in kernel.blocks[:2])
+    rows = {"m": block_m, "n": block_n}
+    tensor_types = iter(
+        f"tensordesc<{_ELEMENT[dtype]}[1,1,{rows[t]},{module.BLOCK_D}]>" if t in rows else "*fp32"
+        for t in kernel.tensors
+    )
+    # GROUP = 1: query heads per kv head without GQA (each group size compiles its own kernel)
+    constexpr_values = {"GROUP": 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": module.BLOCK_D}
     signature, constexprs, attrs = {}, {}, {}
-    pointer_types = iter(_POINTER[dtype] if p == "x" else "*fp32" for p in pointers)
-    blocks = {
-        "BLOCK_M": module.BLOCK_M,
-        "BLOCK_N": module.BLOCK_N,
-        "BLOCK_D": module.BLOCK_D,
-        "HEAD_DIM": module.HEAD_DIM,
-    }
     for index, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:
-            signature[name], constexprs[name] = "constexpr", blocks[name]
-        elif name.startswith("stride") and name.endswith("d"):  # the contiguous last dim: stride 1
-            signature[name], constexprs[name] = "constexpr", 1
-        elif name.startswith("stride") or name == "num_heads":
+            signature[name], constexprs[name] = "constexpr", constexpr_values[name]
+        elif name == "num_heads":
             signature[name], attrs[(index,)] = "i32", [["tt.divisibility", 16]]
         elif name in ("scale",) or module.PARAMS.get(name.removeprefix("param_")) is float:
             signature[name] = "fp32"
         elif name in ("q_len", "kv_len") or name.startswith("param_"):
             signature[name] = "i32"
         else:
-            signature[name], attrs[(index,)] = next(pointer_types), [["tt.divisibility", 16]]
-    return signature, constexprs, attrs
+            signature[name] = next(tensor_types)
+            if signature[name] == "*fp32":
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return fn, signature, constexprs, attrs
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -111,29 +121,28 @@ def check_gpu(module, dtype: str, target: GpuTarget) -> list[Finding]:
     from triton.compiler import ASTSource
 
     findings = []
-    for kernel, (fn_name, pointers, stages_name) in _KERNELS.items():
-        fn = getattr(module, fn_name)
-        stages = getattr(module, stages_name)
-        blocks = f"block_m={module.BLOCK_M} block_n={module.BLOCK_N} num_warps={module.NUM_WARPS} num_stages={stages}"
-        signature, constexprs, attrs = _signature(module, fn, pointers, dtype)
+    for name, kernel in _KERNELS.items():
+        block_m, block_n, warps, stages = (getattr(module, constant) for constant in kernel.blocks)
+        blocks = f"block_m={block_m} block_n={block_n} num_warps={warps} num_stages={stages}"
+        fn, signature, constexprs, attrs = _signature(module, kernel, dtype)
         try:
             compiled = triton.compile(
                 ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                 target=GPUTarget("cuda", target.capability, 32),
-                options={"num_warps": module.NUM_WARPS, "num_stages": stages},
+                options={"num_warps": warps, "num_stages": stages},
             )
         except Exception as e:  # noqa: BLE001  (any compiler failure is the finding)
             message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            findings.append(Finding(target.name, kernel, blocks, ok=False, problem=f"does not compile: {message}"))
+            findings.append(Finding(target.name, name, blocks, ok=False, problem=f"does not compile: {message}"))
             continue
         shared = compiled.metadata.shared
         resources = {"shared": f"{shared / 1024:.0f} KiB", **_resource_usage(compiled.asm["cubin"])}
         if shared > target.max_shared:
             problem = (
                 f"shared memory {shared / 1024:.0f} KiB > {target.max_shared / 1024:.0f} KiB per block"
-                f" (smaller block_m/block_n or fewer {stages_name.lower()})"
+                f" (smaller blocks or fewer {kernel.blocks[3].lower()})"
             )
-            findings.append(Finding(target.name, kernel, blocks, ok=False, problem=problem, resources=resources))
+            findings.append(Finding(target.name, name, blocks, ok=False, problem=problem, resources=resources))
             continue
         spills = resources.get("stack_bytes", 0)
         warning = (
@@ -141,7 +150,7 @@ def check_gpu(module, dtype: str, target: GpuTarget) -> list[Finding]:
             if spills
             else ""
         )
-        findings.append(Finding(target.name, kernel, blocks, ok=True, warning=warning, resources=resources))
+        findings.append(Finding(target.name, name, blocks, ok=True, warning=warning, resources=resources))
     return findings
 
 

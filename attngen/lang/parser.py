@@ -14,6 +14,8 @@ from pathlib import Path
 import lark
 
 MAX_EXPR_LENGTH = 4096
+# Every later stage (type checking, sympy, the printers) walks expressions recursively: a bound on
+# their depth keeps those walks far from Python's recursion limit.
 MAX_DEPTH = 64
 
 
@@ -33,6 +35,7 @@ class Node:
 @dataclass(frozen=True)
 class Num(Node):
     value: int | float
+    text: str  # the literal as written, for messages about its range
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ def parse(text: str) -> Node:
         raise ParseError(f"expression is longer than {MAX_EXPR_LENGTH} characters", 0)
     if not text.isascii():
         offset = next(i for i, c in enumerate(text) if not c.isascii())
-        raise ParseError(f"non-ASCII character {text[offset]!r} in expression", offset)
+        char = text[offset]
+        raise ParseError(f"non-ASCII character {char!r} (U+{ord(char):04X}) in expression", offset)
     if not text.strip():
         raise ParseError("empty expression", 0)
     try:
@@ -97,22 +101,56 @@ def parse(text: str) -> Node:
     return _to_ast(tree, depth=0)
 
 
+def names(node: Node) -> frozenset[str]:
+    """Every variable name node reads (not function names)."""
+    if isinstance(node, Name):
+        return frozenset({node.name})
+    if isinstance(node, Call):
+        return frozenset().union(*(names(a) for a in node.args))
+    if isinstance(node, Unary):
+        return names(node.operand)
+    if isinstance(node, Binary):
+        return names(node.lhs) | names(node.rhs)
+    return frozenset()
+
+
+# Rules that chain operands (`a OP b OP c`); with one operand they only wrap it, once per
+# precedence level, so a parenthesised operand arrives inside five of them and a `paren`.
+_CHAINS = ("or_", "and_", "compare", "arith")
+
+
 def _span(item: lark.Tree | lark.Token) -> Span:
     if isinstance(item, lark.Token):
         return Span(item.start_pos, item.end_pos)
     return Span(item.meta.start_pos, item.meta.end_pos)
 
 
+def _is_wrapper(item: lark.Tree | lark.Token) -> bool:
+    """Whether item only wraps its one child: parentheses, or a chain of one operand."""
+    return isinstance(item, lark.Tree) and (item.data == "paren" or (item.data in _CHAINS and len(item.children) == 1))
+
+
+def _too_deep(item: lark.Tree | lark.Token) -> ParseError:
+    return ParseError(
+        f"expression nested more than {MAX_DEPTH} levels deep (each operator of a chain is a level)",
+        _span(item).start,
+    )
+
+
 def _to_ast(item: lark.Tree | lark.Token, depth: int) -> Node:
+    """AST of a lark tree at nesting `depth`, counted in AST nodes, not in lark's wrappers."""
+    # Iterative: parentheses nest wrappers as deep as the text allows, past the recursion limit.
+    while _is_wrapper(item):
+        item = item.children[0]
     if depth > MAX_DEPTH:
-        raise ParseError(f"expression nested deeper than {MAX_DEPTH} levels", _span(item).start)
+        raise _too_deep(item)
     span = _span(item)
     kids = item.children
     rule = item.data
     if rule == "int_lit":
-        return Num(span, int(kids[0]))
+        return Num(span, int(kids[0]), str(kids[0]))
     if rule == "float_lit":
-        return Num(span, float(kids[0]))
+        return Num(span, float(kids[0]), str(kids[0]))
     if rule == "var":
         return Name(span, str(kids[0]))
     if rule == "call":
@@ -122,18 +160,17 @@ def _to_ast(item: lark.Tree | lark.Token, depth: int) -> Node:
         return Unary(span, "-", _to_ast(kids[0], depth + 1))
     if rule == "not_":
         return Unary(span, "not", _to_ast(kids[0], depth + 1))
-    if rule in ("or_", "and_"):
-        op = rule.rstrip("_")
-        node = _to_ast(kids[0], depth + 1)
-        for rhs in kids[1:]:
-            rhs_node = _to_ast(rhs, depth + 1)
-            node = Binary(Span(node.span.start, rhs_node.span.end), op, node, rhs_node)
-        return node
-    if rule in ("compare", "arith"):
-        # Left-associative chain: operand (OP operand)*.
-        node = _to_ast(kids[0], depth + 1)
-        for op_token, rhs in zip(kids[1::2], kids[2::2]):
-            rhs_node = _to_ast(rhs, depth + 1)
-            node = Binary(Span(node.span.start, rhs_node.span.end), str(op_token), node, rhs_node)
-        return node
-    raise AssertionError(f"unhandled grammar rule {rule!r}")
+    if rule not in _CHAINS:
+        raise AssertionError(f"unhandled grammar rule {rule!r}")
+    # A left-associative chain of n operands is n - 1 nested Binary nodes: its first operand
+    # sits n - 1 levels below the chain, operand i (i >= 1) n - i levels.
+    operands = kids if rule in ("or_", "and_") else kids[::2]
+    ops = [rule.rstrip("_")] * (len(operands) - 1) if rule in ("or_", "and_") else [str(t) for t in kids[1::2]]
+    if depth + len(operands) - 1 > MAX_DEPTH:
+        raise _too_deep(item)
+    node = _to_ast(operands[0], depth + len(operands) - 1)
+    for i, (op, rhs) in enumerate(zip(ops, operands[1:]), start=1):
+        # The operands' own spans: they include the parentheses around an operand.
+        span = Span(_span(operands[0]).start, _span(rhs).end)
+        node = Binary(span, op, node, _to_ast(rhs, depth + len(operands) - i))
+    return node

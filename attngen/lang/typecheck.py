@@ -1,19 +1,39 @@
 """Stage: AST -> typed IR.
 
 Goals: resolve every name (index variables, `score`, declared params), check operand types,
-make int -> float promotions explicit, and report every problem with its span.
-Non-goals: no simplification or constant folding; the IR mirrors what the user wrote.
+make int -> float promotions explicit, and report every problem with its span. Reject what has
+no value in the kernels' arithmetic: a constant (sub)expression is evaluated, and must fit in
+int32 or float32 and not divide by zero or leave the domain of log and sqrt; a divisor that is
+always 0, or a log of a number that is never positive, is found through sympy, the algebra the
+tile analysis and the derivative use, so no later stage meets a non-finite or complex value.
+Bound the work of those stages, which grows faster than the expression: a mask may hold at most
+MAX_MASK_COMPARISONS comparisons once in negation normal form (what the tile analysis walks), a
+score expression at most MAX_MIN_MAX calls of min and max (each doubles its derivative's cases).
+Non-goals: no simplification or constant folding (constants are evaluated to be checked, not
+replaced); the IR mirrors what the user wrote.
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 
+import sympy
+
 from attngen import ir
+from attngen.analysis.tiles import to_sympy
 from attngen.ir import Type
 from attngen.lang import parser as ast
 
 _NUMERIC = (Type.INT, Type.FLOAT)
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32; GPUs flush smaller values to 0
+# Compile-time budgets (see the module docstring): measured, a mask at the limit analyses in
+# about 20 s and a score expression in about 5 s; real masks and scores stay far below.
+MAX_MASK_COMPARISONS = 32
+MAX_MIN_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -35,18 +55,57 @@ class Scope:
 class _Checker:
     scope: Scope
     problems: list[TypeProblem] = field(default_factory=list)
+    # id(IR node) -> (node, value) for each constant node; the node is kept so its id stays unique.
+    constants: dict[int, tuple[ir.Expr, int | float | bool]] = field(default_factory=dict)
+    spans: dict[int, tuple[ir.Expr, ast.Span]] = field(default_factory=dict)  # id(IR node) -> its source
 
     def error(self, message: str, node: ast.Node, hint: str | None = None) -> None:
         self.problems.append(TypeProblem(message, node.span, hint))
 
     def check(self, node: ast.Node) -> ir.Expr | None:
         """Typed IR for node, or None after recording a problem."""
+        expr = self._typed(node)
+        if expr is None or not self._fold(expr, node):
+            return None
+        self.spans[id(expr)] = (expr, node.span)
+        return expr
+
+    def value(self, e: ir.Expr) -> int | float | bool | None:
+        """The value of e if it is a constant, else None."""
+        if isinstance(e, ir.Const):
+            return e.value
+        if isinstance(e, ir.ToFloat):
+            inner = self.value(e.operand)
+            return None if inner is None else float(inner)
+        entry = self.constants.get(id(e))
+        return entry[1] if entry is not None and entry[0] is e else None
+
+    def _fold(self, expr: ir.Expr, node: ast.Node) -> bool:
+        """Evaluate expr if it is constant and check the value fits the kernels' types; False
+        after recording a problem."""
+        if isinstance(expr, ir.Var):
+            return True
+        if isinstance(expr, ir.Const):
+            value = expr.value
+        else:
+            operands = [self.value(c) for c in ir.children(expr)]
+            if None in operands:
+                return True
+            try:
+                value = _evaluate(expr, operands)
+            except (ArithmeticError, ValueError):
+                self.error(_no_value_message(expr), node)
+                return False
+        problem = _range_problem(value, node.text if isinstance(node, ast.Num) else None)
+        if problem:
+            self.error(problem, node)
+            return False
+        self.constants[id(expr)] = (expr, value)
+        return True
+
+    def _typed(self, node: ast.Node) -> ir.Expr | None:
         if isinstance(node, ast.Num):
-            kind = Type.INT if isinstance(node.value, int) else Type.FLOAT
-            if kind is Type.INT and abs(node.value) >= 2**31:
-                self.error("integer literal does not fit in int32", node)
-                return None
-            return ir.Const(kind, node.value)
+            return ir.Const(Type.INT if isinstance(node.value, int) else Type.FLOAT, node.value)
         if isinstance(node, ast.Name):
             return self._name(node)
         if isinstance(node, ast.Unary):
@@ -100,6 +159,9 @@ class _Checker:
         for side in (lhs, rhs):
             if side.type not in _NUMERIC:
                 return self._mismatch(f"`{op}`", "numeric operands", side, node)
+        if op in ("/", "//", "%") and self.value(rhs) == 0:
+            self.error("division by zero: the divisor is 0", node.rhs)
+            return None
         if op in ("//", "%"):
             if lhs.type is not Type.INT or rhs.type is not Type.INT:
                 self.error(f"`{op}` needs int operands", node, "use / for float division")
@@ -164,6 +226,135 @@ def _promote(a: ir.Expr, b: ir.Expr) -> tuple[ir.Expr, ir.Expr, Type]:
     return _to_float(a), _to_float(b), Type.FLOAT
 
 
+def _evaluate(e: ir.Expr, operands: list) -> int | float | bool:
+    """Value of e from its operands' values, as the kernels compute it (floor // and %)."""
+    if isinstance(e, ir.Neg):
+        return -operands[0]
+    if isinstance(e, ir.Not):
+        return not operands[0]
+    if isinstance(e, ir.Arith):
+        ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+        ops |= {"//": operator.floordiv, "%": operator.mod}
+        return ops[e.op](*operands)
+    if isinstance(e, ir.Compare):
+        ops = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt}
+        return (ops | {">=": operator.ge})[e.op](*operands)
+    if isinstance(e, ir.Logic):
+        return operands[0] and operands[1] if e.op == "and" else operands[0] or operands[1]
+    if isinstance(e, ir.Where):
+        return operands[1] if operands[0] else operands[2]
+    if isinstance(e, ir.Func):
+        functions = {"exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh}
+        return (functions | {"abs": abs, "min": min, "max": max})[e.name](*operands)
+    raise AssertionError(f"unhandled IR node {e!r}")
+
+
+def _no_value_message(e: ir.Expr) -> str:
+    """Why e (whose evaluation failed, or which sympy finds no finite real form for) has no value."""
+    if isinstance(e, ir.Arith) and e.op in ("/", "//", "%"):
+        return "division by zero: the divisor is always 0"
+    if isinstance(e, ir.Func) and e.name == "log":
+        return "log of a number that is never positive"
+    if isinstance(e, ir.Func) and e.name == "sqrt":
+        return "sqrt of a number that is always negative"
+    if isinstance(e, ir.Func) and e.name == "exp":
+        return "exp of this constant overflows float32"
+    return "this has no finite real value"
+
+
+def _range_problem(value: float | bool, literal: str | None) -> str | None:
+    """Why a constant cannot be a kernel value, or None; `literal` is its text if it is one."""
+    what = f"literal {literal}" if literal is not None else "constant"
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if INT32_MIN <= value <= INT32_MAX else f"integer {what} does not fit in int32"
+    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        return f"float {what} does not fit in float32 (largest: 3.4e38)"
+    # Only a literal: a literal that rounds to 0 is a typo, a computed product may underflow.
+    written_nonzero = literal is not None and any(c in "123456789" for c in literal.lower().split("e")[0])
+    if written_nonzero and abs(value) < FLOAT32_TINY:
+        return f"float {what} is smaller than float32 keeps (smallest: 1.2e-38); write 0.0 for zero"
+    return None
+
+
+def _sympy_symbols(scope: Scope) -> dict[str, sympy.Symbol]:
+    """The symbols the derivative pass uses; the tile analysis assumes less about q_idx, kv_idx."""
+    real = {Type.INT: {"integer": True}, Type.FLOAT: {"real": True}}
+    return {
+        **{n: sympy.Symbol(n, integer=True, nonnegative=True) for n in ir.INDEX_VARS},
+        "score": sympy.Symbol("score", real=True),
+        **{n: sympy.Symbol(n, **real[t]) for n, t in scope.params.items()},
+    }
+
+
+def _degenerate(e: ir.Expr, symbols: dict[str, sympy.Symbol]) -> bool:
+    """Whether sympy finds no finite real form for e (a division by an expression that is always
+    0, the log of one that is never positive, ...): the later stages would fail on it."""
+    try:
+        form = to_sympy(e, symbols)
+    except (ArithmeticError, TypeError, ValueError):  # e.g. comparing a complex number
+        return True
+    if form.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo, sympy.I):
+        return True
+    return e.type is not Type.BOOL and form.is_extended_real is False
+
+
+def _degenerate_problem(checker: _Checker, expr: ir.Expr) -> TypeProblem | None:
+    """The innermost sub-expression of expr with no finite real form, as a problem; None if there
+    is none."""
+    symbols = _sympy_symbols(checker.scope)
+    if not _degenerate(expr, symbols):
+        return None
+    span = checker.spans[id(expr)][1]
+    while bad := next((c for c in ir.children(expr) if _degenerate(c, symbols)), None):
+        expr = bad
+        entry = checker.spans.get(id(expr))
+        span = entry[1] if entry is not None and entry[0] is expr else span  # promotions have no span
+    return TypeProblem(_no_value_message(expr), span)
+
+
+def _nnf_comparisons(e: ir.Expr) -> tuple[int, int]:
+    """Comparisons in the negation normal form of bool e and of `not e`, as sympy writes them:
+    a bool == or where repeats its operands."""
+    if isinstance(e, ir.Not):
+        positive, negative = _nnf_comparisons(e.operand)
+        return negative, positive
+    if isinstance(e, ir.Logic):
+        (a, not_a), (b, not_b) = _nnf_comparisons(e.lhs), _nnf_comparisons(e.rhs)
+        return a + b, not_a + not_b
+    if isinstance(e, ir.Compare) and e.lhs.type is Type.BOOL:  # (a & b) | (~a & ~b), and its Xor
+        both = sum(_nnf_comparisons(e.lhs)) + sum(_nnf_comparisons(e.rhs))
+        return both, both
+    if isinstance(e, ir.Where) and e.type is Type.BOOL:  # (c & a) | (~c & b)
+        (c, not_c), (a, not_a), (b, not_b) = (_nnf_comparisons(x) for x in (e.cond, e.if_true, e.if_false))
+        return c + not_c + a + b, c + not_c + not_a + not_b
+    return 1, 1  # a comparison of numbers, or a constant
+
+
+def _calls(e: ir.Expr, names: tuple[str, ...]) -> int:
+    own = isinstance(e, ir.Func) and e.name in names
+    return own + sum(_calls(c, names) for c in ir.children(e))
+
+
+def _budget_problem(expr: ir.Expr, node: ast.Node, want: Type) -> TypeProblem | None:
+    """Why expr would cost the later stages too much, or None."""
+    if want is Type.BOOL and (n := _nnf_comparisons(expr)[0]) > MAX_MASK_COMPARISONS:
+        return TypeProblem(
+            f"this mask is too complex for the tile analysis: {n} comparisons in negation normal form"
+            f" (at most {MAX_MASK_COMPARISONS})",
+            node.span,
+            "simplify it; a bool == and a where of bools count their operands twice",
+        )
+    if want is Type.FLOAT and (n := _calls(expr, ("min", "max"))) > MAX_MIN_MAX:
+        return TypeProblem(
+            f"this score expression has {n} calls of min and max (at most {MAX_MIN_MAX}):"
+            " its derivative would be too large",
+            node.span,
+        )
+    return None
+
+
 def typecheck(node: ast.Node, scope: Scope, want: Type) -> tuple[ir.Expr | None, list[TypeProblem]]:
     """Typed IR of node (None if there were problems) and the problems found."""
     checker = _Checker(scope)
@@ -173,4 +364,7 @@ def typecheck(node: ast.Node, scope: Scope, want: Type) -> tuple[ir.Expr | None,
         hint = "compare positions, e.g. q_idx >= kv_idx" if want is Type.BOOL else "use `score`, e.g. score + 1.0"
         checker.error(f"{what} must be {want.value}, this is {expr.type.value}", node, hint)
         expr = None
+    if expr is not None and not checker.problems:
+        problem = _budget_problem(expr, node, want) or _degenerate_problem(checker, expr)
+        checker.problems += [problem] if problem else []
     return (expr if not checker.problems else None), checker.problems

@@ -1,0 +1,233 @@
+"""`attngen tune`: search the Triton kernels' tile sizes, warps and stages on the GPU at hand.
+
+Input: one or more specs (their masks and score expressions are the workload), the head dims,
+dtypes and sequence lengths to tune for. Output: the fastest exact configuration of each kernel
+(forward, dQ, dK/dV) per (GPU, head_dim, dtype), written to the tuned table that `attngen build`
+reads for specs that do not pin their [triton] keys (attngen/backends/triton_tuned.toml).
+
+Goals: every candidate is checked against the float64 reference on fresh inputs before it is
+timed; a candidate that does not compile (too much shared memory) or is not exact is reported and
+skipped. A candidate's score is the geometric mean of its times over every spec and sequence
+length, so that no single shape decides (tuning on one length picks tiles that lose on others).
+The three kernels are tuned one after the other (forward alone; dQ with the table's dK/dV; dK/dV
+with the best dQ), which keeps the search linear in the size of each space.
+Non-goals: no search over the Pallas kernels (TPU tuning needs a TPU), no autotuning at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from attngen.backends.triton_gpu import TUNED_TABLE, TunedEntry, default_config, write_tuned_table
+from attngen.build import import_generated, write_package
+from attngen.errors import AttngenError
+from attngen.spec import Spec, TritonConfig, retarget
+
+KERNELS = ("fwd", "dq", "dkdv")
+TOKENS = 16384  # batch * seq of every timed shape, as in the benchmark grid
+FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of a kernel's search space: the block a program holds (rows), the block it
+    steps over, warps and pipeline stages."""
+
+    rows: int
+    step: int
+    warps: int
+    stages: int
+
+    def config(self, kernel: str) -> dict[str, int]:
+        """As TritonConfig fields of `kernel` (dK/dV holds keys, its block_n, and steps over queries)."""
+        m, n = (self.step, self.rows) if kernel == "dkdv" else (self.rows, self.step)
+        prefix = "" if kernel == "fwd" else f"{kernel}_"
+        return {f"{prefix}block_m": m, f"{prefix}block_n": n, f"{prefix}num_warps": self.warps,
+                f"{prefix}num_stages": self.stages}  # fmt: skip
+
+
+_SPACE = [Candidate(*c) for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+
+
+def search_space(quick: bool) -> list[Candidate]:
+    """36 candidates per kernel; --quick keeps 3 stages, and 8 warps exactly for tiles of
+    128 x 64 or more (the usual winners on Hopper): 6."""
+    if quick:
+        return [c for c in _SPACE if c.stages == 3 and (c.warps == 8) == (c.rows * c.step >= 128 * 64)]
+    return list(_SPACE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A spec at the head_dim and dtype being tuned, with its param values."""
+
+    spec: Spec
+    params: dict
+
+
+def tune(
+    workloads: list[Workload],
+    head_dims: list[int],
+    dtypes: list[str],
+    seqs: list[int],
+    quick: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[TunedEntry]:
+    """The fastest exact configuration per (head_dim, dtype) on this GPU; see the module doc."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise AttngenError("attngen tune runs the kernels: it needs a CUDA GPU (try `attngen check` on a CPU)")
+    gpu = torch.cuda.get_device_name()
+    entries = []
+    with tempfile.TemporaryDirectory(prefix="attngen-tune-") as scratch:
+        tuner = _Tuner(Path(scratch), seqs, log)
+        for head_dim, dtype in itertools.product(head_dims, dtypes):
+            targets = [Workload(retarget(w.spec, head_dim, dtype), w.params) for w in workloads]
+            names = ", ".join(w.spec.name for w in targets)
+            log(f"{dtype} head_dim={head_dim} on {gpu}: {names} at seq {', '.join(map(str, seqs))}")
+            config = TritonConfig(**default_config(head_dim, dtype))
+            for kernel in KERNELS:
+                best = tuner.search(targets, config, kernel, search_space(quick))
+                config = dataclasses.replace(config, **best.config(kernel))
+            entries.append(TunedEntry(gpu, head_dim, dtype, dataclasses.asdict(config)))
+            log(f"  winner: {dataclasses.asdict(config)}")
+    return entries
+
+
+class _Rejected(Exception):
+    """A candidate that cannot run here or is not exact."""
+
+
+class _Tuner:
+    def __init__(self, scratch: Path, seqs: list[int], log: Callable[[str], None]):
+        self.scratch, self.seqs, self.log = scratch, seqs, log
+        self.count = 0
+
+    def search(self, workloads: list[Workload], config: TritonConfig, kernel: str, space) -> Candidate:
+        """The candidate with the lowest geometric-mean time of `kernel`'s pass over the workloads."""
+        scores = {}
+        for i, candidate in enumerate(space, start=1):
+            fields = candidate.config(kernel)
+            label = " ".join(f"{k}={v}" for k, v in fields.items())
+            try:
+                times = [
+                    ms
+                    for w in workloads
+                    for ms in self._measure(
+                        Workload(dataclasses.replace(w.spec, triton=dataclasses.replace(config, **fields)), w.params),
+                        kernel,
+                    )
+                ]
+            except _Rejected as e:
+                self.log(f"  [{kernel} {i}/{len(space)}] {label}: skipped ({e})")
+                continue
+            scores[candidate] = math.exp(sum(map(math.log, times)) / len(times))
+            shown = " ".join(f"{ms:.3f}" for ms in times)
+            self.log(f"  [{kernel} {i}/{len(space)}] {label}: {scores[candidate]:.3f} ms (geomean of {shown})")
+        if not scores:
+            raise AttngenError(f"no {kernel} candidate compiled and was exact")
+        return min(scores, key=scores.get)
+
+    def _measure(self, w: Workload, kernel: str) -> list[float]:
+        """Median ms of the forward (kernel "fwd") or of the whole backward, per sequence length."""
+        import triton
+
+        module = self._load(w.spec)
+        check_exact(module, w)
+        try:
+            return [_time_pass(module, w, kernel, seq) for seq in self.seqs]
+        except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
+            raise _Rejected(str(e).strip().splitlines()[0][:120]) from e
+
+    def _load(self, spec: Spec):
+        self.count += 1
+        out = self.scratch / str(self.count)
+        write_package(spec, out)
+        return import_generated(out / spec.name / "triton_gpu.py", f"_attngen_tune_{spec.name}_{self.count}")
+
+
+def _time_pass(module, w: Workload, kernel: str, seq: int) -> float:
+    import torch
+    import triton
+
+    shape = (max(1, TOKENS // seq), max(1, 2048 // w.spec.head_dim), seq, w.spec.head_dim)
+    dtype = getattr(torch, w.spec.dtype)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=kernel != "fwd") for _ in range(3))
+    if kernel == "fwd":
+        return triton.testing.do_bench(lambda: module.attention(q, k, v, **w.params))
+    out = module.attention(q, k, v, **w.params)
+    dout = torch.randn_like(out)
+    # Both backward kernels run; only `kernel`'s configuration varies between candidates.
+    return triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+
+
+def check_exact(module, w: Workload, seq: int = 512) -> None:
+    """Raise _Rejected unless out, dq, dk and dv match the float64 reference by the FlashAttention
+    rule: within twice the error of the same computation in the kernel's dtype, plus a floor."""
+    import torch
+
+    from attngen.reference import attention_ref_torch
+
+    dtype = getattr(torch, w.spec.dtype)
+    gen = torch.Generator(device="cuda")
+    seed = gen.seed()  # fresh inputs for every candidate
+    q, k, v, dout = (torch.randn(1, 2, seq, w.spec.head_dim, device="cuda", generator=gen).to(dtype) for _ in range(4))
+    try:
+        ours = _out_and_grads(lambda *x: module.attention(*x, **w.params), q, k, v, dout)
+    except Exception as e:  # a compiler failure (e.g. too much shared memory) rejects the candidate
+        raise _Rejected(str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__) from e
+    exact, same_precision = (
+        _out_and_grads(lambda *x, d=d: attention_ref_torch(w.spec, *x, dtype=d, **w.params)[0], q, k, v, dout)
+        for d in (torch.float64, dtype)
+    )
+    for name, x, ref, peer in zip(("out", "dq", "dk", "dv"), ours, exact, same_precision):
+        err = (x.double() - ref).abs().max().item()
+        allowed = 2 * (peer.double() - ref).abs().max().item() + FLOOR[w.spec.dtype] * max(1.0, ref.abs().max().item())
+        if not err <= allowed:  # NaN fails too
+            raise _Rejected(f"not exact: {name} error {err:.2e} > {allowed:.2e} (seed {seed})")
+
+
+def _out_and_grads(fn, q, k, v, dout):
+    import torch
+
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout.to(out.dtype)))
+
+
+def main_tune(specs: list[Spec], args) -> int:
+    """The CLI's `tune` command: tune, print the winners, and record them unless --dry-run."""
+    values = [p.partition("=") for p in args.param or []]
+    if any(not sep for _, sep, _ in values):
+        raise AttngenError("--param takes NAME=VALUE")
+    workloads = [Workload(spec, _params(spec, {name: value for name, _, value in values})) for spec in specs]
+    start = time.monotonic()
+    head_dims = args.head_dim or sorted({s.head_dim for s in specs})
+    dtypes = args.dtype or sorted({s.dtype for s in specs})
+    entries = tune(workloads, head_dims, dtypes, args.seq or [1024, 4096, 16384], args.quick)
+    if args.dry_run:
+        print(f"tuned in {time.monotonic() - start:.0f} s (dry run: {TUNED_TABLE} unchanged)")
+    else:
+        write_tuned_table(entries)
+        print(f"tuned in {time.monotonic() - start:.0f} s; recorded {len(entries)} entries in {TUNED_TABLE}")
+    return 0
+
+
+def _params(spec: Spec, given: dict[str, str]) -> dict:
+    """The spec's params from --param NAME=VALUE strings, typed as the spec declares them."""
+    params = {}
+    for p in spec.params:
+        if p.name not in given:
+            raise AttngenError(f"{spec.path}: give a value for each param to tune with: --param {p.name}=VALUE")
+        try:
+            params[p.name] = int(given[p.name]) if p.type.value == "int" else float(given[p.name])
+        except ValueError:
+            raise AttngenError(f"--param {p.name}={given[p.name]}: {p.name} is declared {p.type.value}") from None
+    return params

@@ -1,0 +1,79 @@
+"""`attngen tune` and the tuned table, on a CPU: the search space, the table's round trip and
+lookup, and clear errors. (The search itself runs kernels: it needs a GPU; see BENCHMARKS.md.)"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from attngen.backends import triton_gpu
+from attngen.backends.triton_gpu import TunedEntry, default_config, write_tuned_table
+from attngen.cli import main
+from attngen.spec import TritonConfig, load_spec, retarget
+from attngen.tune import KERNELS, Candidate, search_space
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+
+def test_candidates_name_each_kernels_fields():
+    c = Candidate(rows=128, step=32, warps=8, stages=3)
+    assert c.config("fwd") == {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 3}
+    assert c.config("dq") == {"dq_block_m": 128, "dq_block_n": 32, "dq_num_warps": 8, "dq_num_stages": 3}
+    # dK/dV holds keys (its block_n) and steps over queries (its block_m)
+    assert c.config("dkdv") == {"dkdv_block_m": 32, "dkdv_block_n": 128, "dkdv_num_warps": 8, "dkdv_num_stages": 3}
+    fields = {f.name for f in dataclasses.fields(TritonConfig)}
+    assert set().union(*(c.config(k) for k in KERNELS)) == fields
+
+
+def test_search_spaces():
+    assert len(search_space(quick=False)) == 36 and len(set(search_space(quick=False))) == 36
+    quick = search_space(quick=True)
+    assert len(quick) == 6 and all(c.stages == 3 for c in quick)
+
+
+def test_every_spec_dtype_and_head_dim_has_a_default():
+    for dtype in ("bfloat16", "float16", "float32"):
+        for head_dim in (16, 40, 64, 80, 96, 128, 160, 256):
+            TritonConfig(**default_config(head_dim, dtype))  # every field present, no extra
+
+
+def test_lookup_takes_the_smallest_entry_that_fits():
+    assert default_config(80, "bfloat16") == default_config(128, "bfloat16")
+    assert default_config(64, "bfloat16") != default_config(65, "bfloat16")
+
+
+def test_table_round_trip_and_merge(tmp_path, monkeypatch):
+    table = tmp_path / "tuned.toml"
+    table.write_text(triton_gpu.TUNED_TABLE.read_text())
+    monkeypatch.setattr(triton_gpu, "TUNED_TABLE", table)
+    before = default_config(64, "float16")
+    tuned = {**before, "block_m": 64, "num_stages": 4}
+    write_tuned_table([TunedEntry("NVIDIA H200", 64, "float16", tuned)], path=table)
+    assert default_config(64, "float16") == tuned
+    assert default_config(64, "bfloat16") != tuned  # other entries untouched
+    write_tuned_table([TunedEntry("Other GPU", 64, "float16", before)], path=table)
+    assert default_config(64, "float16") == tuned  # builds target the table's default GPU
+    assert table.read_text().count("[[entry]]") == len(triton_gpu._load_table(table)[1])
+
+
+def test_retarget_keeps_pinned_keys_and_redefaults_the_rest(tmp_path):
+    spec_file = tmp_path / "s.toml"
+    spec_file.write_text('name = "s"\nhead_dim = 128\n[triton]\nnum_stages = 2\n')
+    spec = load_spec(spec_file)
+    assert spec.triton_pinned == ("num_stages",)
+    small = retarget(spec, 64, "float16")
+    assert small.triton.num_stages == 2
+    assert small.triton.block_n == default_config(64, "float16")["block_n"]
+
+
+def test_tune_needs_a_gpu_and_every_param(capsys):
+    assert main(["tune", str(SPECS / "sliding_window.toml")]) == 2
+    assert "--param window=VALUE" in capsys.readouterr().err
+    assert main(["tune", str(SPECS / "sliding_window.toml"), "--param", "window=wide"]) == 2
+    assert "window is declared int" in capsys.readouterr().err
+    pytest.importorskip("torch")
+    import torch
+
+    if not torch.cuda.is_available():
+        assert main(["tune", str(SPECS / "causal.toml"), "--quick"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
