@@ -495,6 +495,14 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         v.error("missing `head_dim`", loc.start(), "add e.g. head_dim = 128")
     elif head_dim is not None and not 16 <= head_dim <= 256:
         v.error(f"head_dim {_described(head_dim)} is outside 16..256", loc.key("head_dim"), "e.g. head_dim = 128")
+    elif head_dim is not None and head_dim % 8:
+        # The Triton kernels move tiles with tensor descriptors (TMA), whose rows are whole
+        # 16-byte units: head_dim * 2 bytes must be a multiple of 16 (FlashAttention's rule too).
+        v.error(
+            f"head_dim {head_dim} is not a multiple of 8",
+            loc.key("head_dim"),
+            f"pad q, k and v to head_dim = {head_dim + 8 - head_dim % 8} (zeros change nothing but the scale)",
+        )
     dtype = top.get("dtype", "bfloat16")
     if dtype not in DTYPES:
         v.error(

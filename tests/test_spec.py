@@ -266,3 +266,8 @@ def test_long_lines_are_shown_around_the_caret():
 def test_unused_params_are_not_guessed_when_an_expression_does_not_parse():
     (d,) = diagnostics(GOOD + '[mask]\nexpr = "q_idx >= w +"\n[params]\nw = "int"\n')
     assert "unexpected end" in d.message
+
+
+def test_head_dim_must_be_a_multiple_of_8():
+    (rendered,) = problems('name = "x"\nhead_dim = 20\n')
+    assert "s.toml:2:1:" in rendered and "not a multiple of 8" in rendered and "head_dim = 24" in rendered

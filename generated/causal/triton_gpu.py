@@ -299,7 +299,9 @@ def _attention_bwd_dq(
 def _descriptor(t, rows):
     """A tensor descriptor over [batch, heads, seq, head_dim] moving [rows, BLOCK_D] tiles.
 
-    The hardware (TMA) needs a 16-byte aligned base and strides; other layouts are copied once.
+    The hardware (TMA) needs a 16-byte aligned base and strides; inputs in other layouts are
+    copied once. Outputs are allocated contiguous here, and head_dim * itemsize is a multiple of
+    16 (spec validation), so they are never copied.
     """
     size = t.element_size()
     if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
