@@ -35,6 +35,8 @@ from attngen.reference import attention_ref_torch, evaluate, positions
 from attngen.spec import load_spec
 
 PARAMS = {
+    "alibi": {"num_heads": 8},
+    "local_window": {"left": 256, "right": 64},
     "sliding_window": {"window": 256},
     "prefix_lm": {"prefix": 512},
     "softcap": {"softcap": 20.0},

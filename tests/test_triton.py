@@ -14,6 +14,8 @@ from tests.strategies import shapes, spec_toml, specs
 
 SPECS = sorted(Path(__file__).resolve().parent.parent.joinpath("specs").glob("*.toml"))
 SPEC_PARAMS = {
+    "alibi": {"num_heads": 2},
+    "local_window": {"left": 50, "right": 20},
     "sliding_window": {"window": 70},
     "prefix_lm": {"prefix": 45},
     "softcap": {"softcap": 20.0},
