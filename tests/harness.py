@@ -284,3 +284,7 @@ def run_pallas_grad(spec: Spec, p: Problem, c: Cotangents, interpret=True):
     _, vjp = jax.vjp(f, q, k, v)
     grads = vjp((jnp.asarray(c.dout).astype(dtype), jnp.asarray(c.dlse)))
     return [np.asarray(g.astype(jnp.float32)) for g in grads]
+
+
+# (run, run_grad) per target, for tests that treat both targets alike.
+TARGETS = {"triton": (run_triton, run_triton_grad), "pallas": (run_pallas, run_pallas_grad)}

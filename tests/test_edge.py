@@ -16,10 +16,6 @@ from attngen.reference import attention_ref
 from tests import harness
 from tests.strategies import spec_toml
 
-TARGETS = {
-    "triton": (harness.run_triton, harness.run_triton_grad),
-    "pallas": (harness.run_pallas, harness.run_pallas_grad),
-}
 SMALL_TILES = "[triton]\nblock_m = 16\nblock_n = 16\n[pallas_tpu]\nblock_q = 16\nblock_kv = 128\n"
 
 
@@ -27,13 +23,13 @@ def causal_spec(dtype="float32"):
     return harness.spec_from_text(spec_toml("causal", head_dim=32, extra=(f'dtype = "{dtype}"',)) + SMALL_TILES)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", harness.TARGETS)
 @pytest.mark.parametrize(
     "shape", [(0, 2, 5, 5), (1, 2, 0, 5), (1, 2, 5, 0), (1, 2, 0, 0), (1, 2, 1, 1), (2, 1, 1, 7)], ids=str
 )
 def test_empty_and_single_element_shapes(target, shape):
     """Batch 0, sequences of 0 or 1: the right shapes; no key gives 0 / -inf / zero gradients."""
-    run, run_grad = TARGETS[target]
+    run, run_grad = harness.TARGETS[target]
     spec = causal_spec()
     p = harness.make_problem(spec, *shape, seed=3, params={})
     out, lse = run(spec, p)
@@ -48,11 +44,11 @@ def test_empty_and_single_element_shapes(target, shape):
         assert (out == 0).all() and np.isneginf(lse).all() and all((g == 0).all() for g in grads)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", harness.TARGETS)
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_logits_of_1e4(target, mask):
     """Logits spanning +-1e4 after scaling: no overflow, and as exact as a float32 framework."""
-    run, run_grad = TARGETS[target]
+    run, run_grad = harness.TARGETS[target]
     spec = harness.spec_from_text(spec_toml(mask, head_dim=32, extra=('dtype = "float32"',)) + SMALL_TILES)
     p = harness.make_problem(spec, 1, 2, 40, 40, seed=11, params={})
     scale = 1e4 / np.abs(np.matmul(p.q, p.k.swapaxes(-1, -2))).max()
@@ -70,10 +66,10 @@ def test_logits_of_1e4(target, mask):
     assert all(np.isfinite(g).all() for g in run_grad(spec, p, c))
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", harness.TARGETS)
 def test_non_finite_inputs(target):
     """NaN in q or k, inf in k: as the float64 reference; NaN in v: NaN where the contract says."""
-    run, _ = TARGETS[target]
+    run, _ = harness.TARGETS[target]
     spec = causal_spec()
     base = harness.make_problem(spec, 1, 1, 64, 64, seed=7, params={})
     for which, row, value in (("q", 5, np.nan), ("k", 50, np.inf), ("k", 50, -np.inf), ("k", 50, np.nan)):

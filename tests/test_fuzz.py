@@ -200,5 +200,5 @@ def test_cli_exits_0_or_2_and_never_prints_a_traceback(data, tmp_path, capsys):
 def test_valid_drawn_specs_are_exact(target, drawn, shape, seed):
     spec = harness.spec_from_text(drawn.text)
     p = harness.make_problem(spec, shape.batch, shape.heads, shape.q_len, shape.kv_len, seed, drawn.params)
-    run = harness.run_triton if target == "triton" else harness.run_pallas
+    run, _ = harness.TARGETS[target]
     harness.assert_exact(spec, p, *run(spec, p))

@@ -7,22 +7,18 @@ import pytest
 from tests import harness
 from tests.strategies import spec_toml
 
-TARGETS = {
-    "triton": (harness.run_triton, harness.run_triton_grad),
-    "pallas": (harness.run_pallas, harness.run_pallas_grad),
-}
 TILES = "[triton]\nblock_m = 16\nblock_n = 16\ndq_block_m = 16\ndq_block_n = 32\ndkdv_block_m = 32\ndkdv_block_n = 16\n"
 TILES += "[pallas_tpu]\nblock_q = 16\nblock_kv = 128\n"
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", harness.TARGETS)
 @pytest.mark.parametrize(
     ("dtype", "heads", "kv_heads", "q_len", "kv_len"),
     [("float32", 4, 2, 45, 37), ("float32", 3, 1, 33, 50), ("bfloat16", 4, 1, 40, 40)],
     ids=["gqa", "mqa", "mqa-bf16"],
 )
 def test_grouped_heads(target, dtype, heads, kv_heads, q_len, kv_len):
-    run, run_grad = TARGETS[target]
+    run, run_grad = harness.TARGETS[target]
     text = spec_toml("q_idx + 3 * h >= kv_idx", "score - 0.25 * h", head_dim=32, extra=(f'dtype = "{dtype}"',))
     spec = harness.spec_from_text(text + TILES)
     p = harness.make_problem(spec, 2, heads, q_len, kv_len, seed=heads + kv_heads, params={}, kv_heads=kv_heads)
@@ -34,9 +30,9 @@ def test_grouped_heads(target, dtype, heads, kv_heads, q_len, kv_len):
     harness.assert_grads_exact(spec, p, c, (dq, dk, dv))
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", harness.TARGETS)
 def test_heads_that_do_not_divide_are_refused(target):
-    run, _ = TARGETS[target]
+    run, _ = harness.TARGETS[target]
     spec = harness.spec_from_text(spec_toml("causal", head_dim=32))
     p = harness.make_problem(spec, 1, 3, 8, 8, seed=0, params={}, kv_heads=2)
     with pytest.raises(ValueError, match="kv heads dividing q heads"):

@@ -22,10 +22,10 @@ def _merge(target, spec, parts):
     return [np.asarray(x) for x in module.merge_partials(*(jnp.asarray(x) for part in parts for x in part))]
 
 
-@pytest.mark.parametrize("target", ["triton", "pallas"])
+@pytest.mark.parametrize("target", harness.TARGETS)
 @pytest.mark.parametrize("split", [30, 0], ids=["halves", "one-part-empty"])
 def test_merging_two_key_shards_is_exact(target, split):
-    run = harness.run_triton if target == "triton" else harness.run_pallas
+    run, _ = harness.TARGETS[target]
     spec = harness.spec_from_text(spec_toml(None, "score + 0.5", head_dim=32, extra=('dtype = "float32"',)))
     p = harness.make_problem(spec, 2, 2, 20, 50, seed=4, params={})
     parts = []
@@ -38,7 +38,7 @@ def test_merging_two_key_shards_is_exact(target, split):
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("target", ["triton", "pallas"])
+@pytest.mark.parametrize("target", harness.TARGETS)
 def test_rows_empty_in_both_parts_stay_empty(target):
     spec = harness.spec_from_text(spec_toml(None, head_dim=32, extra=('dtype = "float32"',)))
     empty = (np.zeros((1, 1, 3, 32), np.float32), np.full((1, 1, 3), -np.inf, np.float32))

@@ -3,6 +3,7 @@
 import json
 import tomllib
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from attngen.backends.base import Backend
@@ -56,11 +57,17 @@ class TunedEntry:
     config: dict[str, int]  # every TritonConfig field
 
 
-def _load_table(path: Path | None = None) -> tuple[str, list[TunedEntry]]:
-    with (path or TUNED_TABLE).open("rb") as f:
+def _load_table(path: Path | None = None) -> tuple[str, tuple[TunedEntry, ...]]:
+    return _read_table(path or TUNED_TABLE)
+
+
+@cache  # every spec parse asks for defaults: read the file once (write_tuned_table forgets it)
+def _read_table(path: Path) -> tuple[str, tuple[TunedEntry, ...]]:
+    with path.open("rb") as f:
         data = tomllib.load(f)
-    entries = [TunedEntry(e.pop("gpu"), e.pop("head_dim"), e.pop("dtype"), e) for e in data["entry"]]
-    return data["default_gpu"], entries
+    return data["default_gpu"], tuple(
+        TunedEntry(e.pop("gpu"), e.pop("head_dim"), e.pop("dtype"), e) for e in data["entry"]
+    )
 
 
 def default_config(head_dim: int, dtype: str) -> dict[str, int]:
@@ -78,7 +85,7 @@ def write_tuned_table(new: list[TunedEntry], path: Path | None = None) -> None:
     gpu, entries = _load_table(path)
     keys = {(e.gpu, e.head_dim, e.dtype) for e in new}
     merged = sorted(
-        [e for e in entries if (e.gpu, e.head_dim, e.dtype) not in keys] + new,
+        [e for e in entries if (e.gpu, e.head_dim, e.dtype) not in keys] + list(new),
         key=lambda e: (e.gpu, e.dtype, e.head_dim),
     )
     lines = [_HEADER, f"default_gpu = {json.dumps(gpu)}"]
@@ -94,3 +101,4 @@ def write_tuned_table(new: list[TunedEntry], path: Path | None = None) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
+    _read_table.cache_clear()

@@ -200,8 +200,8 @@ def _attention_bwd_dkdv(
         q_hi = tl.minimum(q_len + 63, tl.maximum(63, param_left + kv_last + 64)) // 64
         q_full_lo = tl.minimum(q_hi, tl.maximum(q_lo, tl.maximum(63, kv_last - param_right + 63) // 64))
         q_full_hi = tl.minimum(q_hi, tl.maximum(q_full_lo, tl.minimum(q_len, tl.maximum(0, param_left + kv_first + 1)) // 64))
-        lse_row = LSE + (b * num_heads + h).to(tl.int64) * q_len
-        delta_row = DELTA + (b * num_heads + h).to(tl.int64) * q_len
+        row = (b * num_heads + h).to(tl.int64) * q_len  # this head's first entry of LSE and delta
+        lse_row, delta_row = LSE + row, DELTA + row
         dk, dv = _dkdv_q_blocks(
             dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
             q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_left, param_right,

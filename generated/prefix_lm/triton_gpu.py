@@ -214,8 +214,8 @@ def _attention_bwd_dkdv(
         q_hi = floordiv(tl.minimum(q_len, tl.maximum(q_len - 1, tl.where(param_prefix - kv_first >= 1, q_len - 1, -1)) + 1) + 63, 64)
         q_full_lo = tl.minimum(q_hi, tl.maximum(q_lo, (tl.where(tl.where(param_prefix - kv_last >= 1, q_len >= kv_last, False), tl.minimum(kv_last, tl.where(param_prefix - kv_last >= 1, 0, q_len)), tl.where(tl.where(param_prefix - kv_last >= 1, q_len <= q_len - kv_last, q_len >= kv_last - q_len), kv_last, tl.where(param_prefix - kv_last >= 1, 0, q_len))) + 63) // 64))
         q_full_hi = tl.minimum(q_hi, tl.maximum(q_full_lo, tl.minimum(q_len, tl.maximum(0, tl.where(tl.where(param_prefix - kv_last >= 1, q_len >= kv_last, False), tl.maximum(q_len - 1, tl.where(param_prefix - kv_last >= 1, q_len - 1, -1)), tl.where(tl.where(param_prefix - kv_last >= 1, q_len <= q_len - kv_last, q_len >= kv_last - q_len), q_len - 1, tl.where(param_prefix - kv_last >= 1, q_len - 1, -1))) + 1)) // 64))
-        lse_row = LSE + (b * num_heads + h).to(tl.int64) * q_len
-        delta_row = DELTA + (b * num_heads + h).to(tl.int64) * q_len
+        row = (b * num_heads + h).to(tl.int64) * q_len  # this head's first entry of LSE and delta
+        lse_row, delta_row = LSE + row, DELTA + row
         dk, dv = _dkdv_q_blocks(
             dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
             q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_prefix,

@@ -214,8 +214,8 @@ def _attention_bwd_dkdv(
         q_hi = (q_len + 63) // 64
         q_full_lo = tl.minimum(q_hi, tl.maximum(q_lo, (kv_last + 63) // 64))
         q_full_hi = tl.minimum(q_hi, tl.maximum(q_full_lo, tl.minimum(q_len, tl.maximum(0, kv_first + param_stride)) // 64))
-        lse_row = LSE + (b * num_heads + h).to(tl.int64) * q_len
-        delta_row = DELTA + (b * num_heads + h).to(tl.int64) * q_len
+        row = (b * num_heads + h).to(tl.int64) * q_len  # this head's first entry of LSE and delta
+        lse_row, delta_row = LSE + row, DELTA + row
         dk, dv = _dkdv_q_blocks(
             dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
             q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_stride,
