@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from attngen import ir
@@ -45,16 +45,21 @@ def _identifiers(text: str) -> set[str]:
 TEMPLATE_TEXT = "".join(p.read_text() for p in sorted(TEMPLATES.rglob("*.jinja"))) + PACKAGE_INIT
 
 
-def target_vocabulary() -> set[str]:
-    """Every name the targets add to template text: their module names, the expression printers'
-    spelling of the functions and operations (read off the backends, so a new spelling needs no
-    edit here), and the variables the templates bind for the expressions to read."""
-    words = {backend.name for backend in TARGETS}
+def printer_spellings() -> str:
+    """What the targets' expression printers add to template text: their spelling of functions,
+    operations and conversions, read off the backends (a new spelling needs no edit here)."""
+    spellings = []
     for backend in TARGETS:
         d = backend.dialect
-        spellings = [*d.functions.values(), d.where, d.floordiv or "", d.floormod or ""]
+        spellings += [*d.functions.values(), d.where, d.floordiv or "", d.floormod or "", *d.logic]
         spellings += [d.logical_not("operand"), d.to_float("operand")]
-        words |= set().union(*(_identifiers(s) for s in spellings)) - {"operand"}
+    return " ".join(spellings)
+
+
+def target_vocabulary() -> set[str]:
+    """Every name the targets add to template text: their module names, the printers' spellings,
+    and the variables the templates bind for the expressions to read."""
+    words = {backend.name for backend in TARGETS} | (_identifiers(printer_spellings()) - {"operand"})
     return words | set(ir.INDEX_VARS) | {"score"} | set(TILE_VARS)
 
 
@@ -102,11 +107,12 @@ def assert_source_is_whitelisted(spec: Spec) -> None:
     allowed = whitelist(spec)
     for filename, source in package_sources(spec).items():
         assert not foreign_names(source, allowed), f"{filename}: {foreign_names(source, allowed)}"
-        # Nor a character the templates do not have (control characters, look-alikes) outside
-        # comments; the one comment with user text, the spec file's name, is escaped.
+        # Nor a character the templates and printers do not have (control characters, look-alikes)
+        # outside comments; the one comment with user text, the spec file's name, is escaped.
         tokens = tokenize.generate_tokens(io.StringIO(source).readline)
         code = "".join(t.string for t in tokens if t.type != tokenize.COMMENT)
-        assert set(code) <= set(TEMPLATE_TEXT) | set(string.ascii_letters + string.digits + "_"), filename
+        trusted = set(TEMPLATE_TEXT + printer_spellings() + string.ascii_letters + string.digits + "_")
+        assert set(code) <= trusted, filename
 
 
 def test_whitelist_catches_a_name_the_templates_do_not_have():
@@ -147,6 +153,7 @@ def specs_with_drawn_params(draw) -> str:
         typed_expressions("float", allow_score=True).map(lambda s: GOOD + f'[score]\nexpr = "{s}"\n'),
     )
 )
+@example(text=GOOD + '[mask]\nexpr = "not (kv_idx == q_idx - 38)"\n')  # `not` prints as Triton's `~`
 def test_drawn_specs_use_only_whitelisted_names(text):
     try:
         spec = parse_spec(text, "drawn.toml")
