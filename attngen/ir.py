@@ -8,6 +8,7 @@ typing rules.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -23,11 +24,13 @@ class VarKind(enum.Enum):
 
     INDEX = "index"  # q_idx, kv_idx, b, h: positions in the attention problem
     SCORE = "score"  # the scaled logit scale * q.k, only inside score expressions
-    PARAM = "param"  # a runtime argument declared in [params]
-    TILE = "tile"  # q_first, q_last, kv_len: the q block a kernel program works on (tile bounds only)
+    PARAM = "param"  # a runtime scalar argument declared in [params]
+    SIZE = "size"  # q_len, kv_len: the lengths of the query and key sequences
+    TILE = "tile"  # q_first, q_last, ...: the block a kernel program works on (tile bounds only)
 
 
 INDEX_VARS = ("q_idx", "kv_idx", "b", "h")
+SIZE_VARS = ("q_len", "kv_len")
 
 # Functions of the language: name -> (arity, result rule).
 # "float": result FLOAT, args promoted to FLOAT; "same": result type of the promoted args.
@@ -111,6 +114,15 @@ class Func(Expr):
     args: tuple[Expr, ...]
 
 
+@dataclass(frozen=True)
+class Load(Expr):
+    """An element of a tensor param, `tensor[indices]`. Each index is clamped into the tensor's
+    extent along its axis (as jnp indexing clamps), so a load never reads outside the tensor."""
+
+    tensor: str  # the param's name
+    indices: tuple[Expr, ...]  # int, one per axis
+
+
 def children(e: Expr) -> tuple[Expr, ...]:
     """Direct sub-expressions of e, in source order."""
     if isinstance(e, (ToFloat, Neg, Not)):
@@ -121,14 +133,16 @@ def children(e: Expr) -> tuple[Expr, ...]:
         return (e.cond, e.if_true, e.if_false)
     if isinstance(e, Func):
         return e.args
+    if isinstance(e, Load):
+        return e.indices
     return ()
 
 
 def variables(e: Expr) -> frozenset[str]:
-    """Names of every variable e reads."""
+    """Names of every variable and tensor e reads."""
     if isinstance(e, Var):
         return frozenset({e.name})
-    out: frozenset[str] = frozenset()
+    out: frozenset[str] = frozenset({e.tensor}) if isinstance(e, Load) else frozenset()
     for c in children(e):
         out |= variables(c)
     return out
@@ -143,7 +157,7 @@ def is_nonnegative(e: Expr) -> bool:
     if isinstance(e, Const):
         return e.type is not Type.BOOL and e.value >= 0
     if isinstance(e, Var):
-        return e.kind in (VarKind.INDEX, VarKind.TILE)
+        return e.kind in (VarKind.INDEX, VarKind.SIZE, VarKind.TILE)
     if isinstance(e, Arith) and e.op in ("+", "*", "//", "%"):
         return is_nonnegative(e.lhs) and is_nonnegative(e.rhs)
     if isinstance(e, Func) and e.name == "max":
@@ -160,6 +174,42 @@ def uses_floor_division(e: Expr) -> bool:
     if isinstance(e, Arith) and e.op in ("//", "%") and not (is_nonnegative(e.lhs) and is_nonnegative(e.rhs)):
         return True
     return any(uses_floor_division(c) for c in children(e))
+
+
+def substitute(e: Expr, replacements: dict[Expr, Expr]) -> Expr:
+    """e with every sub-expression that is a key of `replacements` replaced by its value."""
+    if e in replacements:
+        return replacements[e]
+    if not replacements or not children(e):
+        return e
+    new = tuple(substitute(c, replacements) for c in children(e))
+    if isinstance(e, (ToFloat, Neg, Not)):
+        return dataclasses.replace(e, operand=new[0])
+    if isinstance(e, (Arith, Compare, Logic)):
+        return dataclasses.replace(e, lhs=new[0], rhs=new[1])
+    if isinstance(e, Where):
+        return dataclasses.replace(e, cond=new[0], if_true=new[1], if_false=new[2])
+    if isinstance(e, Func):
+        return dataclasses.replace(e, args=new)
+    if isinstance(e, Load):
+        return dataclasses.replace(e, indices=new)
+    raise AssertionError(f"unhandled IR node {e!r}")
+
+
+def loads(e: Expr) -> tuple[Load, ...]:
+    """Every tensor load in e, outermost first, without repeats."""
+    found = (e,) if isinstance(e, Load) else ()
+    for c in children(e):
+        found += tuple(x for x in loads(c) if x not in found)
+    return found
+
+
+def divisor_params(e: Expr) -> frozenset[str]:
+    """Scalar params that e divides by (the right operand of // or %): they must be positive."""
+    own = frozenset()
+    if isinstance(e, Arith) and e.op in ("//", "%") and isinstance(e.rhs, Var) and e.rhs.kind is VarKind.PARAM:
+        own = frozenset({e.rhs.name})
+    return own.union(*(divisor_params(c) for c in children(e)))
 
 
 def uses_function(e: Expr, name: str) -> bool:

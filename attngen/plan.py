@@ -27,7 +27,29 @@ class ParamPlan:
 
     name: str
     kernel_name: str  # prefixed, so it can never shadow a name of the generated module
-    annotation: str  # "int" or "float"
+    annotation: str  # "int" or "float": the scalar's type, or a tensor's element type
+    shape: tuple[int | str, ...] = ()  # a tensor's declared axes; () for a scalar
+    # What the kernels take for it, in order: a scalar itself; a tensor as the backend passes it
+    # (Triton: the data and each axis' size; Pallas: a scalar-memory ref, or nothing when the
+    # kernels read it only through gathered tiles).
+    kernel_args: tuple[str, ...] = ()
+
+    @property
+    def shape_literal(self) -> str:
+        """The declared axes as a Python tuple literal: ("heads", 8)."""
+        items = [f'"{axis}"' if isinstance(axis, str) else str(axis) for axis in self.shape]
+        return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """A tensor read at per-position indices, materialised before the kernels (Pallas): a
+    [batch | 1, heads | 1, q_len | 1, kv_len | 1] array of the values the tiles read, blocked
+    like the scores; the kernels read it as gathered[i]."""
+
+    source: str  # the load in jnp over broadcast b, h, q_idx, kv_idx and the params
+    dtype: str  # "float32" or "int32"
+    axes: tuple[bool, bool, bool, bool]  # whether it varies along batch, heads, q_len, kv_len
 
 
 @dataclass(frozen=True)
@@ -50,7 +72,8 @@ class KernelPlan:
     score_text: str
     dtype: str
     head_dim: int
-    params: tuple[ParamPlan, ...]  # ints first, then floats: the order kernels take them
+    head_dim_v: int  # v's and the output's head dim (head_dim unless the spec sets another)
+    params: tuple[ParamPlan, ...]  # int scalars, float scalars, then tensors: the kernels' order
     mask: str | None  # tile mask in the target language over q_idx/kv_idx tiles; None: no mask
     score: str | None  # modified score in the target language; None: score unchanged
     score_grad: str | None  # d(modified score)/d(score) in the target language
@@ -60,6 +83,12 @@ class KernelPlan:
     key_bounds: BoundsPlan  # q blocks per kv block: dK/dV
     op_name: str  # unique per spec content and kernel configuration: names the torch custom ops
     helpers: frozenset[str]  # names of helper functions the expressions call
+    gathers: tuple[GatherPlan, ...]  # Pallas: tensor reads materialised per position (else empty)
+    # A mask that reads tensors at per-position indices has no closed-form tile bounds: kernels
+    # walk tables of tile classes built at run time, which vary along (batch, heads) as flagged.
+    block_tables: bool
+    table_axes: tuple[bool, bool]
+    divisors: tuple[str, ...]  # params an expression divides by: the functions require them positive
     triton: TritonConfig
     pallas_tpu: PallasTpuConfig
 
@@ -69,22 +98,55 @@ class KernelPlan:
         return 1 << (self.head_dim - 1).bit_length()
 
     @property
+    def block_dv(self) -> int:
+        """head_dim_v padded to a power of two."""
+        return 1 << (self.head_dim_v - 1).bit_length()
+
+    @property
     def param_args(self) -> str:
         """The kernel params appended to an argument list: "" or ", param_a, param_b"."""
-        return "".join(f", {p.kernel_name}" for p in self.params)
+        return "".join(f", {arg}" for p in self.params for arg in p.kernel_args)
 
     @property
     def param_typed(self) -> str:
-        """param_args with annotations: ", param_a: int"."""
-        return "".join(f", {p.kernel_name}: {p.annotation}" for p in self.params)
+        """One argument per param, annotated: ", param_a: int, param_t: torch.Tensor"."""
+        return "".join(f", {p.kernel_name}: {'torch.Tensor' if p.shape else p.annotation}" for p in self.params)
+
+    @property
+    def scalars(self) -> tuple[ParamPlan, ...]:
+        return tuple(p for p in self.params if not p.shape)
+
+    @property
+    def tensors(self) -> tuple[ParamPlan, ...]:
+        return tuple(p for p in self.params if p.shape)
 
     @property
     def int_params(self) -> tuple[ParamPlan, ...]:
-        return tuple(p for p in self.params if p.annotation == "int")
+        return tuple(p for p in self.scalars if p.annotation == "int")
 
     @property
     def float_params(self) -> tuple[ParamPlan, ...]:
-        return tuple(p for p in self.params if p.annotation == "float")
+        return tuple(p for p in self.scalars if p.annotation == "float")
+
+    @property
+    def all_param_names(self) -> str:
+        """Every param by its kernel name, appended to an argument list: ", param_a, param_t"."""
+        return "".join(f", {p.kernel_name}" for p in self.params)
+
+    @property
+    def tensor_args(self) -> str:
+        """The kernel arguments of the tensor params, appended to an argument list."""
+        return "".join(f", {arg}" for p in self.tensors for arg in p.kernel_args)
+
+    @property
+    def scalar_args(self) -> tuple[str, ...]:
+        """The kernel arguments of the scalar params."""
+        return tuple(p.kernel_name for p in self.scalars)
+
+    @property
+    def kernel_tensors(self) -> tuple[ParamPlan, ...]:
+        """The tensors the kernels take (Pallas: those in scalar memory)."""
+        return tuple(p for p in self.tensors if p.kernel_args)
 
 
 def spec_text(spec: Spec, which: str) -> str:
@@ -100,8 +162,10 @@ def spec_text(spec: Spec, which: str) -> str:
         floordiv=None,
         floormod=None,
         logic=("and", "or"),
+        load=lambda tensor, indices: f"{tensor}[{', '.join(indices)}]",
+        clamp=lambda index, tensor, axis: index,  # the language's rule, not spelled out
     )
-    names = {n: n for n in ("q_idx", "kv_idx", "b", "h", "score", *(p.name for p in spec.params))}
+    names = {n: n for n in (*ir.INDEX_VARS, *ir.SIZE_VARS, "score", *(p.name for p in spec.params))}
     return emit(expr, dialect, names)
 
 
@@ -112,13 +176,35 @@ def _bounds_plan(bounds: TileBounds, lower) -> BoundsPlan:
 def _digest(spec: Spec) -> str:
     """12 hex digits that change whenever the generated kernels would: the spec file's hash and
     every field a tool may have replaced (dtype, head_dim, block sizes when tuning)."""
-    fields = f"{spec.sha256}:{spec.dtype}:{spec.head_dim}:{spec.triton}"
+    fields = f"{spec.sha256}:{spec.dtype}:{spec.head_dim}:{spec.value_dim}:{spec.triton}"
     return hashlib.sha256(fields.encode()).hexdigest()[:12]
+
+
+_POSITIONS = ("b", "h", "q_idx", "kv_idx")
+
+
+def _gathered(exprs: list[ir.Expr]) -> dict[ir.Load, ir.Expr]:
+    """Each load of exprs whose indices read q_idx or kv_idx -> the variable `gathered[i]`."""
+    out: dict[ir.Load, ir.Expr] = {}
+    for e in exprs:
+        for load in ir.loads(e):
+            if load not in out and ir.variables(load) & {"q_idx", "kv_idx"}:
+                out[load] = ir.Var(load.type, f"gathered[{len(out)}]", ir.VarKind.PARAM)
+    return out
+
+
+def _gather_plan(load: ir.Load, lower) -> GatherPlan:
+    read = ir.variables(load)
+    return GatherPlan(
+        source=lower(load),
+        dtype="int32" if load.type is ir.Type.INT else "float32",
+        axes=tuple(v in read for v in _POSITIONS),
+    )
 
 
 def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
     """Lower a spec's expressions and tile bounds into `backend`'s language."""
-    params = {p.name: p.type for p in spec.params}
+    params = {p.name: p.type for p in spec.params if not p.is_tensor}
     config = spec.triton if backend.name == "triton_gpu" else spec.pallas_tpu
     bounds = analyse_mask(spec.mask, params, getattr(config, backend.block_kv_key), BY_QUERY_BLOCK)
     dq_block_kv = getattr(config, backend.dq_block_kv_key)
@@ -129,13 +215,23 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
     )
     key_bounds = analyse_mask(spec.mask, params, getattr(config, backend.dkdv_block_q_key), BY_KEY_BLOCK)
     score_grad = score_derivative(spec.score, params) if spec.score is not None else None
-    names = {n: n for n in (*ir.INDEX_VARS, "score", *TILE_VARS)}
+    names = {n: n for n in (*ir.INDEX_VARS, *ir.SIZE_VARS, "score", *TILE_VARS)}
     names |= {p.name: f"{backend.param_prefix}{p.name}" for p in spec.params}
-    lower = lambda e: emit(e, backend.dialect, names)
+    shapes = {p.name: p.shape for p in spec.params if p.is_tensor}
+    lower = lambda e: emit(e, backend.dialect, names, shapes)
 
-    exprs = [e for e in (spec.mask, spec.score, score_grad) if e is not None]
+    mask_reads = ir.variables(spec.mask) if spec.mask is not None else frozenset()
+    data_mask = spec.mask is not None and any(ir.variables(x) & {"q_idx", "kv_idx"} for x in ir.loads(spec.mask))
+    tile_exprs = [e for e in (spec.mask, spec.score, score_grad) if e is not None]
+    gathered = _gathered(tile_exprs) if backend.gathers_position_loads else {}
+    names |= {var.name: var.name for var in gathered.values()}
+    mask, score, score_grad = (
+        ir.substitute(e, gathered) if e is not None else None for e in (spec.mask, spec.score, score_grad)
+    )
+    exprs = [e for e in (mask, score, score_grad) if e is not None]
     for b in (bounds, dq_bounds, key_bounds):
         exprs += [b.lo, b.hi, b.full_lo, b.full_hi]
+    read_in_kernels = frozenset().union(*(ir.variables(e) for e in exprs))
     helpers = set()
     if any(ir.uses_floor_division(e) for e in exprs):
         helpers |= {h for h in (backend.dialect.floordiv, backend.dialect.floormod) if h}
@@ -151,12 +247,21 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         score_text=spec_text(spec, "score"),
         dtype=spec.dtype,
         head_dim=spec.head_dim,
+        head_dim_v=spec.value_dim,
         params=tuple(
-            ParamPlan(p.name, names[p.name], p.type.value)
-            for p in sorted(spec.params, key=lambda p: p.type is ir.Type.FLOAT)
+            ParamPlan(
+                p.name,
+                names[p.name],
+                p.type.value,
+                p.shape,
+                backend.tensor_args(names[p.name], len(p.shape)) if p.name in read_in_kernels else (),
+            )
+            if p.is_tensor
+            else ParamPlan(p.name, names[p.name], p.type.value, kernel_args=(names[p.name],))
+            for p in sorted(spec.params, key=lambda p: (p.is_tensor, p.type is ir.Type.FLOAT))
         ),
-        mask=lower(spec.mask) if spec.mask is not None else None,
-        score=lower(spec.score) if spec.score is not None else None,
+        mask=lower(mask) if mask is not None else None,
+        score=lower(score) if score is not None else None,
         score_grad=lower(score_grad) if score_grad is not None else None,
         positions_in_score=spec.score is not None and bool(ir.variables(spec.score) & {"q_idx", "kv_idx"}),
         bounds=_bounds_plan(bounds, lower),
@@ -164,6 +269,10 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         key_bounds=_bounds_plan(key_bounds, lower),
         op_name=f"{spec.name}_{_digest(spec)}",
         helpers=frozenset(helpers),
+        gathers=tuple(_gather_plan(load, lower) for load in gathered),
+        block_tables=data_mask,
+        divisors=tuple(sorted(frozenset().union(*(ir.divisor_params(e) for e in tile_exprs)))),
+        table_axes=("b" in mask_reads, "h" in mask_reads),
         triton=spec.triton,
         pallas_tpu=spec.pallas_tpu,
     )

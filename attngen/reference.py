@@ -71,17 +71,34 @@ def evaluate(e: ir.Expr, env: dict, xp=np):
             return xp.where(ev(e.cond), ev(e.if_true), ev(e.if_false))
         if isinstance(e, ir.Func):
             return getattr(xp, _name(xp, e.name))(*(ev(a) for a in e.args))
+        if isinstance(e, ir.Load):
+            return _load(e, env, xp)
     raise AssertionError(f"unhandled IR node {e!r}")
 
 
+def _load(e: ir.Load, env: dict, xp):
+    """tensor[indices] with broadcasting, each index clamped into its axis (the kernels' rule)."""
+    tensor = env[e.tensor]
+    tensor = xp.as_tensor(tensor) if xp is not np else np.asarray(tensor)
+    indices = [evaluate(index, env, xp) for index in e.indices]
+    if xp is not np:  # torch indexing does not broadcast its index tensors
+        indices = xp.broadcast_tensors(*(i.to(tensor.device) for i in indices))
+    value = tensor[tuple(xp.clip(i, 0, n - 1) for i, n in zip(indices, tensor.shape))]
+    dtype = xp.float64 if e.type is Type.FLOAT else xp.int64
+    return value.to(dtype) if xp is not np else value.astype(dtype)
+
+
 def positions(batch: int, heads: int, q_len: int, kv_len: int, xp=np, **device) -> dict:
-    """b, h, q_idx, kv_idx as arrays of xp (numpy or torch) broadcasting to [B, H, Lq, Lk]."""
+    """b, h, q_idx, kv_idx as arrays of xp (numpy or torch) broadcasting to [B, H, Lq, Lk], and
+    the lengths q_len, kv_len."""
     arange = (lambda n: xp.arange(n, **device)) if device else xp.arange
     return {
         "b": arange(batch).reshape(-1, 1, 1, 1),
         "h": arange(heads).reshape(1, -1, 1, 1),
         "q_idx": arange(q_len).reshape(1, 1, -1, 1),
         "kv_idx": arange(kv_len).reshape(1, 1, 1, -1),
+        "q_len": q_len,
+        "kv_len": kv_len,
     }
 
 

@@ -29,12 +29,20 @@ from attngen.lang.typecheck import Scope, typecheck
 
 DTYPES = ("float16", "bfloat16", "float32")
 PARAM_TYPES = {"int": ir.Type.INT, "float": ir.Type.FLOAT}
+# Axis names of a tensor param that stand for the attention problem's own sizes; any other name
+# is a size of the caller's choosing (the same name is the same size in every tensor).
+SIZE_NAMES = ("batch", "heads", "kv_heads", "q_len", "kv_len")
+MAX_TENSOR_RANK = 4
 CAUSAL_MASK = "q_idx >= kv_idx"
+# `causal` in [mask]: how the diagonal sits when q_len != kv_len. Top-left: query i sees keys
+# 0..i. Bottom-right (FlashAttention >= 2.1): the last query sees every key, as when the queries
+# are the last q_len of kv_len positions (decoding with a cache, chunked prefill).
+CAUSAL_MASKS = {True: CAUSAL_MASK, "top_left": CAUSAL_MASK, "bottom_right": "q_idx + kv_len - q_len >= kv_idx"}
 
 # Names a param may not take: the language's own, the generated functions' arguments, and the
 # names the kernels use internally.
 RESERVED_NAMES = frozenset(
-    {*ir.INDEX_VARS, "score", "where", *ir.FUNCTIONS, "q", "k", "v", "scale", "return_lse", "interpret"}
+    {*ir.INDEX_VARS, *ir.SIZE_VARS, "score", "where", *ir.FUNCTIONS, "q", "k", "v", "scale", "return_lse", "interpret"}
 )
 # Whole-string patterns (fullmatch: `$` would also accept a trailing newline). ASCII only, so a
 # look-alike letter from another script is not a letter here.
@@ -45,10 +53,22 @@ MAX_SPEC_BYTES = 1 << 20  # a spec is a few hundred bytes; this bounds what a st
 
 @dataclass(frozen=True)
 class Param:
-    """A runtime scalar argument declared in [params]."""
+    """A runtime argument declared in [params]: a scalar, or a tensor of `shape` (axis sizes: an
+    int, a name of SIZE_NAMES, or a free size name) that expressions index."""
 
     name: str
     type: ir.Type
+    shape: tuple[int | str, ...] = ()  # () for a scalar
+
+    @property
+    def is_tensor(self) -> bool:
+        return bool(self.shape)
+
+    @property
+    def declared(self) -> str:
+        """The type as written in [params], e.g. "float[heads, buckets]"."""
+        dims = ", ".join(map(str, self.shape))
+        return f"{self.type.value}[{dims}]" if self.shape else self.type.value
 
 
 @dataclass(frozen=True)
@@ -95,22 +115,33 @@ class Spec:
     mask_source: str | None = None
     score_source: str | None = None
     triton_pinned: tuple[str, ...] = ()  # the [triton] keys the spec sets; the rest are defaults
+    head_dim_v: int | None = None  # v's (and the output's) head dim, when it differs from q's and k's
+
+    @property
+    def value_dim(self) -> int:
+        """The head dim of v and of the output."""
+        return self.head_dim_v or self.head_dim
 
 
 def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:
     """The spec at another head_dim and dtype, its unpinned [triton] keys re-defaulted (for tools
     that sweep shapes, such as the benchmarks)."""
     pinned = {key: getattr(spec.triton, key) for key in spec.triton_pinned}
-    triton = TritonConfig(**{**default_triton_config(head_dim, dtype), **pinned})
+    triton = TritonConfig(**{**default_triton_config(max(head_dim, spec.head_dim_v or 0), dtype), **pinned})
     return replace(spec, head_dim=head_dim, dtype=dtype, triton=triton)
 
 
 Key = tuple[str, ...]  # a dotted key path, e.g. ("mask", "expr")
 
 # key -> (expected python type, description) for each table.
-_SCHEMA: dict[str | None, dict[str, tuple[type, str]]] = {
-    None: {"name": (str, "a string"), "head_dim": (int, "an integer"), "dtype": (str, "a string")},
-    "mask": {"causal": (bool, "true or false"), "expr": (str, "a string")},
+_SCHEMA: dict[str | None, dict[str, tuple[type | tuple[type, ...], str]]] = {
+    None: {
+        "name": (str, "a string"),
+        "head_dim": (int, "an integer"),
+        "head_dim_v": (int, "an integer"),
+        "dtype": (str, "a string"),
+    },
+    "mask": {"causal": ((bool, str), 'true, false, "top_left" or "bottom_right"'), "expr": (str, "a string")},
     "score": {"expr": (str, "a string")},
     "triton": {k: (int, "an integer") for k in (f.name for f in fields(TritonConfig))},
     "pallas_tpu": {k: (int, "an integer") for k in ("block_q", "block_kv", "vmem_limit_bytes")},
@@ -388,7 +419,7 @@ class _Validator:
                 self.error(f"unknown key `{shown(key)}` in {scope}", spot, f"allowed: {', '.join(allowed)}")
                 continue
             wanted, description = schema[key]
-            if type(value) is not wanted:  # bool is an int subclass: compare exactly
+            if type(value) not in (wanted if isinstance(wanted, tuple) else (wanted,)):  # exactly: bool is an int
                 self.error(f"`{key}` must be {description}, got {_described(value)}", spot, _example(key, wanted))
                 continue
             out[key] = value
@@ -415,8 +446,8 @@ class _Validator:
 _EXAMPLES = {"name": '"causal"', "dtype": '"bfloat16"', "expr": '"q_idx >= kv_idx"', "causal": "true"}
 
 
-def _example(key: str, wanted: type) -> str:
-    value = _EXAMPLES.get(key, {int: "128", str: '"..."', bool: "true"}[wanted])
+def _example(key: str, wanted: type | tuple[type, ...]) -> str:
+    value = _EXAMPLES[key] if key in _EXAMPLES else {int: "128", str: '"..."', bool: "true"}[wanted]
     return f"e.g. {key} = {value}"
 
 
@@ -437,6 +468,32 @@ def _param_name_problem(name: str) -> str | None:
     if name in RESERVED_NAMES:
         return f"`{name}` is a name of the expression language or of the generated functions"
     return None
+
+
+_TENSOR_TYPE_RE = re.compile(r"(int|float)\[([^\]]*)\]", re.ASCII)
+_DIM_RE = re.compile(r"[1-9][0-9]{0,9}|[A-Za-z][A-Za-z0-9_]{0,63}", re.ASCII)
+
+
+def _param(name: str, declared: Any) -> tuple[Param | None, str | None]:
+    """The Param a [params] entry declares, or why it declares none."""
+    if not isinstance(declared, str):
+        return None, f'the type must be a string such as "int", got {_described(declared)}'
+    if declared in PARAM_TYPES:
+        return Param(name, PARAM_TYPES[declared]), None
+    m = _TENSOR_TYPE_RE.fullmatch(declared.replace(" ", ""))
+    if not m:
+        return None, f'the type must be "int", "float", "int[axes]" or "float[axes]", got {_described(declared)}'
+    dims = m.group(2).split(",")
+    if not 1 <= len(dims) <= MAX_TENSOR_RANK:
+        return None, f"a tensor has 1 to {MAX_TENSOR_RANK} axes, got {len(dims)}"
+    shape = []
+    for dim in dims:
+        if not _DIM_RE.fullmatch(dim) or keyword.iskeyword(dim):
+            return None, f"axis {_described(dim)} is neither a positive int nor a size name"
+        shape.append(int(dim) if dim.isdigit() else dim)
+    if any(isinstance(d, int) and d > 2**31 - 1 for d in shape):
+        return None, "an axis does not fit in int32"
+    return Param(name, PARAM_TYPES[m.group(1)], tuple(shape)), None
 
 
 def _load_toml(text: str, loc: _Locator) -> dict[str, Any]:
@@ -493,16 +550,18 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     head_dim = top.get("head_dim")
     if head_dim is None and "head_dim" not in data:
         v.error("missing `head_dim`", loc.start(), "add e.g. head_dim = 128")
-    elif head_dim is not None and not 16 <= head_dim <= 256:
-        v.error(f"head_dim {_described(head_dim)} is outside 16..256", loc.key("head_dim"), "e.g. head_dim = 128")
-    elif head_dim is not None and head_dim % 8:
-        # The Triton kernels move tiles with tensor descriptors (TMA), whose rows are whole
-        # 16-byte units: head_dim * 2 bytes must be a multiple of 16 (FlashAttention's rule too).
-        v.error(
-            f"head_dim {head_dim} is not a multiple of 8",
-            loc.key("head_dim"),
-            f"pad q, k and v to head_dim = {head_dim + 8 - head_dim % 8} (zeros change nothing but the scale)",
-        )
+    for key, padded in (("head_dim", "q, k and v"), ("head_dim_v", "v")):
+        size = top.get(key)
+        if size is not None and not 16 <= size <= 256:
+            v.error(f"{key} {_described(size)} is outside 16..256", loc.key(key), f"e.g. {key} = 128")
+        elif size is not None and size % 8:
+            # The Triton kernels move tiles with tensor descriptors (TMA), whose rows are whole
+            # 16-byte units: a head dim * 2 bytes must be a multiple of 16 (FlashAttention's rule too).
+            v.error(
+                f"{key} {size} is not a multiple of 8",
+                loc.key(key),
+                f"pad {padded} to {key} = {size + 8 - size % 8} (zeros change nothing but the scale)",
+            )
     dtype = top.get("dtype", "bfloat16")
     if dtype not in DTYPES:
         v.error(
@@ -517,29 +576,46 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         spot = loc.key("params", pname)
         if hint := _param_name_problem(pname):
             v.error(f"param name {_described(pname)} is not allowed", spot, hint)
-        elif not isinstance(ptype, str) or ptype not in PARAM_TYPES:
-            v.error(f'param `{pname}` must be "int" or "float", got {_described(ptype)}', spot, f'e.g. {pname} = "int"')
+            continue
+        param, problem = _param(pname, ptype)
+        if problem:
+            v.error(
+                f"param `{pname}`: {problem}",
+                spot,
+                f'e.g. {pname} = "int" (a scalar) or {pname} = "float[heads, q_len]" (a tensor)',
+            )
         else:
-            params.append(Param(pname, PARAM_TYPES[ptype]))
-    scope_params = {p.name: p.type for p in params}
+            params.append(param)
+    scalars = {p.name: p.type for p in params if not p.is_tensor}
+    tensors = {p.name: (p.type, len(p.shape)) for p in params if p.is_tensor}
 
     mask_table = v.typed(v.table(data, "mask"), "mask")
     mask_source = mask_table.get("expr")
-    if mask_table.get("causal") and mask_source is not None:
+    causal = mask_table.get("causal", False)
+    if causal is not False and causal not in CAUSAL_MASKS:
+        v.error(
+            f'causal must be true, false, "top_left" or "bottom_right", got {_described(causal)}',
+            loc.key("mask", "causal"),
+        )
+    elif causal is not False and mask_source is not None:
         v.error(
             "[mask] has both `causal` and `expr`",
             loc.key("mask", "causal"),
-            f"write causal as part of expr: {CAUSAL_MASK}",
+            f"write causal as part of expr: {CAUSAL_MASKS[causal]}",
         )
-    elif mask_table.get("causal"):
-        mask_source = CAUSAL_MASK
+    elif causal is not False:
+        mask_source = CAUSAL_MASKS[causal]
     mask, mask_names = None, frozenset()
     if mask_source is not None:
-        mask, mask_names = v.expression(mask_source, "mask", Scope(scope_params, allow_score=False), ir.Type.BOOL)
+        mask, mask_names = v.expression(
+            mask_source, "mask", Scope(scalars, allow_score=False, tensors=tensors), ir.Type.BOOL
+        )
     score_source = v.typed(v.table(data, "score"), "score").get("expr")
     score, score_names = None, frozenset()
     if score_source is not None:
-        score, score_names = v.expression(score_source, "score", Scope(scope_params, allow_score=True), ir.Type.FLOAT)
+        score, score_names = v.expression(
+            score_source, "score", Scope(scalars, allow_score=True, tensors=tensors), ir.Type.FLOAT
+        )
     if mask_names is not None and score_names is not None:  # else which names are read is unknown
         for p in params:
             if p.name not in mask_names | score_names:
@@ -587,7 +663,8 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         config = PallasTpuConfig(**tpu)
         limit = config.vmem_limit_bytes or DEFAULT_VMEM_LIMIT
         itemsize = 4 if dtype == "float32" else 2
-        for kernel, need in vmem_estimate(config.block_q, config.block_kv, head_dim, itemsize).items():
+        widest = max(head_dim, top.get("head_dim_v") or head_dim)
+        for kernel, need in vmem_estimate(config.block_q, config.block_kv, widest, itemsize).items():
             if need > limit:
                 v.error(
                     f"the Pallas {kernel} kernel needs about {need / 2**20:.1f} MiB of VMEM with block_q={config.block_q},"
@@ -602,11 +679,12 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     return Spec(
         name=name,
         head_dim=head_dim,
+        head_dim_v=top.get("head_dim_v"),
         dtype=dtype,
         mask=mask,
         score=score,
         params=tuple(params),
-        triton=TritonConfig(**{**default_triton_config(head_dim, dtype), **tri}),
+        triton=TritonConfig(**{**default_triton_config(max(head_dim, top.get("head_dim_v") or 0), dtype), **tri}),
         triton_pinned=tuple(sorted(tri)),
         pallas_tpu=PallasTpuConfig(**tpu),
         path=path,

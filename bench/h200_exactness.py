@@ -1,10 +1,12 @@
 """Run the generated Triton kernels of specs/ at real sizes on a GPU: exactness, then rough speed.
 
-For every spec in specs/ and dtype in (float16, bfloat16): build the package, run forward and
+For every spec in specs/ and dtype in (float16, bfloat16), with the tests' params for it
+(tests/harness.py: fresh random tensors at this shape): build the package, run forward and
 backward on fresh random inputs, compare out, lse, dq, dk, dv with the float64 oracle (torch
 float64 on the GPU, attngen.reference) and with torch SDPA in the same precision -- the
-FlashAttention rule: our error <= 2x SDPA's error + a small floor. SDPA cannot express a score
-modifier; for those specs the same-precision baseline is the reference run in that dtype. Then
+FlashAttention rule: our error <= 2x SDPA's error + a small floor. SDPA has flash kernels only for
+causal and full attention; for the other specs the same-precision baseline is the reference run
+in that dtype. Then
 time forward and forward+backward of ours and SDPA (triton.testing.do_bench, median), and show
 torch._dynamo.explain for a transformer block calling the op. Prints a table last; writes JSON
 to $OUT.
@@ -33,15 +35,8 @@ sys.path.insert(0, str(ROOT))
 from attngen.build import import_generated, write_package
 from attngen.reference import attention_ref_torch, evaluate, positions
 from attngen.spec import load_spec
+from tests.harness import example_params
 
-PARAMS = {
-    "alibi": {"num_heads": 8},
-    "local_window": {"left": 256, "right": 64},
-    "sliding_window": {"window": 256},
-    "prefix_lm": {"prefix": 512},
-    "softcap": {"softcap": 20.0},
-    "strided": {"stride": 64},
-}
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
 
 
@@ -67,7 +62,12 @@ def same_precision_peer(spec, visible):
         return "SDPA causal", lambda q, k, v, **params: sdpa(q, k, v, is_causal=True)
     if visible is None:
         return "SDPA", lambda q, k, v, **params: sdpa(q, k, v)
-    return "SDPA dense mask", lambda q, k, v, **params: sdpa(q, k, v, attn_mask=visible)
+    # SDPA takes other masks only densely, in kernels that keep P in float32 (more precise than any
+    # flash kernel, which rounds P to the dtype for P @ V): the FlashAttention rule's baseline is
+    # the plain implementation in the dtype.
+    return "reference in dtype", lambda q, k, v, **params: attention_ref_torch(spec, q, k, v, dtype=q.dtype, **params)[
+        0
+    ]
 
 
 def max_err(a, b):
@@ -93,8 +93,12 @@ def check(spec, build_dir: Path, args, device) -> dict:
     dtype = spec.dtype
     t0 = time.perf_counter()
     module = load_kernel(spec, build_dir)
-    params = PARAMS.get(spec.name, {})
     B, H, N, D = args.batch, args.heads, args.seq, spec.head_dim
+    # The tests' params for each spec of specs/ (fresh random tensors at this shape), on the GPU.
+    params = {
+        name: torch.as_tensor(value, device=device) if hasattr(value, "shape") else value
+        for name, value in example_params(spec.name, B, H, N, N, seed=int.from_bytes(os.urandom(4), "little")).items()
+    }
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     q, k, v, dout = (torch.randn(B, H, N, D, device=device, dtype=getattr(torch, dtype)) for _ in range(4))
     dlse = torch.randn(B, H, N, device=device)
@@ -157,7 +161,7 @@ def check(spec, build_dir: Path, args, device) -> dict:
         "spec": spec.name,
         "dtype": dtype,
         "shape": [B, H, N, D],
-        "params": params,
+        "params": {name: f"tensor{list(v.shape)}" if isinstance(v, torch.Tensor) else v for name, v in params.items()},
         "mask_density": density,
         "first_call_s": first_call_s,
         "errors_vs_float64": errors,

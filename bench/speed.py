@@ -26,13 +26,15 @@ counter proves the compiled kernel ran: at least one inductor graph in the first
 kind while timed. Default Flex kernel options (no max-autotune).
 
 Grid: D in {128, 64} (H = 16, 32), N in {1k, 4k, 16k} with B*N = 16k, causal and full, bf16 and fp16;
-sliding window (window 1024), prefix-LM (prefix N/4) and causal document masking (N/1024 packed documents
-of random lengths, seed 0; no spec yet: peers only) at the largest D and N. First call of each freshly
+sliding window (window 1024), prefix-LM (prefix N/4), causal document masking (N/1024 packed documents
+of random lengths, seed 0, as segment-id tensors), chunked causal (chunks of N/4) and the
+tensor-param variants (a prefix per sequence, ALiBi slopes, a relative-position table, a full bf16
+bias at N <= 4k) at the largest D and N. First call of each freshly
 generated kernel (build + Triton JIT of fwd, dQ, dK/dV + first runs) reported; the process uses a fresh
-TRITON_CACHE_DIR unless one is set, so that it is a real JIT (Flex's kernels compile cold too). Estimated,
-not yet measured: 30 rows in about 9 minutes of an H200, two FlexAttention compiles per row most of it;
---quick (7 rows) about 3. Each row prints its time and what is left; if 600 s is too short, split the run
-(--dtypes bf16, then --dtypes fp16).
+TRITON_CACHE_DIR unless one is set, so that it is a real JIT (Flex's kernels compile cold too). Measured:
+about 150 s per dtype for the grid and the masks, 110 s for the 8 mask and variant rows at D=128,
+N=16k; two FlexAttention compiles per row are most of it. Each row prints its time and what is left;
+if 600 s is too short, split the run (--dtypes bf16, then --dtypes fp16).
 
     python bench/speed.py [--quick] [--only SUBSTR] [--dtypes bf16,fp16] [--seqs 1024,4096,16384]
                           [--heads-dims 128,64] [--seed INT] [--out DIR]
@@ -92,6 +94,7 @@ MODES = ("fwd", "fwd_bwd")
 SMOKE_SHAPE = {"batch": 1, "heads": 2, "seq": 256, "head_dim": 64}
 # Done-when targets of issue 4: (peer, minimum ours/peer, on grid rows (True) or mask rows (False)).
 TARGETS = ((FA2, 1.1, True), (FLEX, 1.1, True), (FLEX, 1.3, False))
+MASK_CASES = ("sliding_window", "prefix_lm", "document")  # the mask rows the 1.3x target names
 
 
 # ----------------------------------------------------------------------------- cases
@@ -118,43 +121,110 @@ def document_lengths(n: int) -> list[int]:
     return [end - start for start, end in zip([0, *cuts], [*cuts, n])]
 
 
+def document_params(row, device) -> dict:
+    """Segment ids of packed documents, the same for every sequence of the batch (specs/document.toml)."""
+    lengths = torch.tensor(document_lengths(row.seq), device=device)
+    ids = torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32), lengths)
+    ids = ids.expand(row.batch, row.seq).contiguous()
+    return {"seg_q": ids, "seg_kv": ids}
+
+
 def document_mask(params, device):
-    lengths = torch.tensor(params["document_lengths"], device=device)
-    document = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    return lambda b, h, q_idx, kv_idx: (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+    seg_q, seg_kv = params["seg_q"], params["seg_kv"]
+    return lambda b, h, q_idx, kv_idx: (seg_q[b, q_idx] == seg_kv[b, kv_idx]) & (q_idx >= kv_idx)
+
+
+def chunked_mask(params, device):
+    chunk = params["chunk"]
+    return lambda b, h, q_idx, kv_idx: (q_idx // chunk == kv_idx // chunk) & (q_idx >= kv_idx)
+
+
+def prefix_lm_batched_mask(params, device):
+    prefix = params["prefix"]
+    return lambda b, h, q_idx, kv_idx: (kv_idx < prefix[b]) | (q_idx >= kv_idx)
+
+
+# Score modifiers of the cases with tensor params, as a FlexAttention user writes them.
+def alibi_slopes_score(params, device):
+    slopes = params["slopes"]
+    return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
+
+
+def relative_bias_score(params, device):
+    rel_bias, max_dist = params["rel_bias"], params["max_dist"]
+    buckets = rel_bias.shape[1]
+    return lambda score, b, h, q_idx, kv_idx: score + rel_bias[h, (q_idx - kv_idx + max_dist).clamp(0, buckets - 1)]
+
+
+def bias_score(params, device):
+    bias = params["bias"]
+    return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx]
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
     spec: str | None  # specs/<spec>.toml; None: no spec yet, the peers alone are measured
-    params: Callable[[int, torch.device], dict]  # our kernel's runtime params at sequence length N
+    params: Callable[[Row, torch.device], dict]  # our kernel's runtime params for the row's shape
     mask_mod: Callable[[dict, torch.device], Callable] | None  # FlexAttention's mask_mod from params; None: full
     sdpa: str | None  # "causal" (is_causal=True), "full", or None: SDPA flash/cuDNN cannot express the mask
     grid: bool  # True: every D and N of the grid; False: the largest D and N only
+    score_mod: Callable[[dict, torch.device], Callable] | None = None  # FlexAttention's score_mod from params
+    max_seq: int | None = None  # a cap on N for this case (its tensors grow as N^2)
 
 
 CASES = (
-    Case("causal", "causal", lambda n, device: {}, causal_mask, "causal", grid=True),
-    Case("full", "full", lambda n, device: {}, None, "full", grid=True),
+    Case("causal", "causal", lambda row, device: {}, causal_mask, "causal", grid=True),
+    Case("full", "full", lambda row, device: {}, None, "full", grid=True),
     Case(
         "sliding_window",
         "sliding_window",
-        lambda n, device: {"window": min(1024, n // 4)},
+        lambda row, device: {"window": min(1024, row.seq // 4)},
         sliding_window_mask,
         None,
         grid=False,
     ),
-    Case("prefix_lm", "prefix_lm", lambda n, device: {"prefix": n // 4}, prefix_lm_mask, None, grid=False),
-    # Segment ids as runtime tensors are another issue: once specs/document.toml exists, set spec and make
-    # params return the tensors it declares (document_mask then reads them too).
+    Case("prefix_lm", "prefix_lm", lambda row, device: {"prefix": row.seq // 4}, prefix_lm_mask, None, grid=False),
+    Case("document", "document", document_params, document_mask, None, grid=False),
+    Case("chunked", "chunked", lambda row, device: {"chunk": row.seq // 4}, chunked_mask, None, grid=False),
+    # Tensor params (issue 6): a prefix per sequence, ALiBi slopes, a relative-position table, a full bias.
     Case(
-        "document",
-        None,
-        lambda n, device: {"document_lengths": document_lengths(n)},
-        document_mask,
+        "prefix_lm_batched",
+        "prefix_lm_batched",
+        lambda row, device: {"prefix": torch.randint(0, row.seq // 2, (row.batch,), device=device, dtype=torch.int32)},
+        prefix_lm_batched_mask,
         None,
         grid=False,
+    ),
+    Case(
+        "alibi_slopes",
+        "alibi_slopes",
+        lambda row, device: {"slopes": 2.0 ** (-8.0 * torch.arange(1, row.heads + 1, device=device) / row.heads)},
+        causal_mask,
+        None,
+        grid=False,
+        score_mod=alibi_slopes_score,
+    ),
+    Case(
+        "relative_bias",
+        "relative_bias",
+        lambda row, device: {"rel_bias": torch.randn(row.heads, 257, device=device), "max_dist": 128},
+        None,
+        None,
+        grid=False,
+        score_mod=relative_bias_score,
+    ),
+    Case(
+        "bias",
+        "bias",
+        lambda row, device: {
+            "bias": torch.randn(row.batch, row.heads, row.seq, row.seq, device=device).to(torch.bfloat16)
+        },
+        None,
+        None,
+        grid=False,
+        score_mod=bias_score,
+        max_seq=4096,
     ),
 )
 
@@ -174,7 +244,7 @@ class Row:
 
 
 def plan_rows(args) -> list[Row]:
-    cases = [c for c in CASES if args.only is None or args.only in c.name]
+    cases = [c for c in CASES if args.only is None or any(part in c.name for part in args.only.split(","))]
     rows = []
     for dtype in args.dtypes:
         if args.smoke:
@@ -185,9 +255,10 @@ def plan_rows(args) -> list[Row]:
             for seq in args.seqs:
                 shape = (head_dim, TOKENS // seq, HEADS_TIMES_DIM // head_dim, seq)
                 rows += [Row(c, dtype, *shape) for c in cases if c.grid]
-        head_dim, seq = max(args.heads_dims), max(args.seqs)
-        shape = (head_dim, TOKENS // seq, HEADS_TIMES_DIM // head_dim, seq)
-        rows += [Row(c, dtype, *shape) for c in cases if not c.grid]
+        for c in cases:
+            if not c.grid:
+                head_dim, seq = max(args.heads_dims), min(max(args.seqs), c.max_seq or TOKENS)
+                rows.append(Row(c, dtype, head_dim, TOKENS // seq, HEADS_TIMES_DIM // head_dim, seq))
     return rows
 
 
@@ -283,6 +354,16 @@ def dense_visible(row: Row, spec: Spec | None, params: dict, device) -> torch.Te
     return row.case.mask_mod(params, device)(zero, zero, index[:, None], index[None, :]).expand(1, 1, n, n)
 
 
+def sliced_params(spec: Spec, params: dict, h: int) -> dict:
+    """params for the reference on the slice batch 0, head h: tensors cut along their batch and heads axes."""
+    sliced = dict(params)
+    for p in spec.params:
+        if p.is_tensor:
+            index = tuple({"batch": slice(0, 1), "heads": slice(h, h + 1)}.get(axis, slice(None)) for axis in p.shape)
+            sliced[p.name] = params[p.name][index]
+    return sliced
+
+
 def reference(spec, visible, params, q, k, v, dout, dtype=torch.float64) -> dict[str, torch.Tensor]:
     """out, dq, dk, dv on the checked slice (batch 0, the first REF_HEADS heads), one head at a time to bound
     memory: attngen's oracle where there is a spec, else SDPA math with the dense mask."""
@@ -290,7 +371,7 @@ def reference(spec, visible, params, q, k, v, dout, dtype=torch.float64) -> dict
     for h in range(min(REF_HEADS, q.shape[1])):
         leaves = [x[:1, h : h + 1].to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
         if spec is not None:
-            out = attention_ref_torch(spec, *leaves, dtype=dtype, **params)[0]
+            out = attention_ref_torch(spec, *leaves, dtype=dtype, **sliced_params(spec, params, h))[0]
         else:
             with sdpa_kernel(SDPBackend.MATH):
                 out = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=visible)
@@ -355,7 +436,7 @@ def magnitudes(ref: dict) -> dict[str, float]:
 def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
     device, dtype = bench.device, getattr(torch, row.dtype)
     spec = bench.spec(row)
-    params = row.case.params(row.seq, device)
+    params = row.case.params(row, device)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     torch.manual_seed(seed)
     shape = (row.batch, row.heads, row.seq, row.head_dim)
@@ -369,12 +450,18 @@ def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
     scale = magnitudes(ref)
 
     impls: dict[str, Callable | str] = {}
-    build_s = None
+    build_s = tables_ms = None
     if spec is None:
         impls[OURS] = "n/a (no spec yet)"
     else:
         module, build_s = bench.kernel(spec)
         impls[OURS] = lambda q, k, v: module.attention(q, k, v, **params)
+        if hasattr(module, "_build_block_tables"):  # a mask that reads tensors: tables built at run time
+            kernel_params = module._kernel_params([params[name] for name in [*module.PARAMS, *module.TENSOR_PARAMS]])
+            build = functools.partial(
+                module._build_block_tables, module.BLOCK_M, module.BLOCK_N, q, row.seq, kernel_params, False
+            )
+            tables_ms = bench.time_ms(build)
     for name, backend in ((FA2, SDPBackend.FLASH_ATTENTION), (CUDNN, SDPBackend.CUDNN_ATTENTION)):
         if row.case.sdpa is None:
             impls[name] = "n/a (mask)"
@@ -386,7 +473,8 @@ def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
     else:
         torch._dynamo.reset()
         flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
-    impls[FLEX] = lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+    score_mod = row.case.score_mod(params, device) if row.case.score_mod else None
+    impls[FLEX] = lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
     inductor_before = inductor_graphs()
     results = {}
@@ -471,6 +559,7 @@ def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
         "mask_density": density,
         "flops_fwd": flops,
         "block_mask_s": block_mask_s,
+        "block_tables_ms": tables_ms,  # ours, forward tables, once per input (cached), not in the timings
         "flex_inductor_graphs": flex_graphs,
         "flex_compiles_while_timed": flex_recompiles,
         "rule_peer": rule_peer,
@@ -492,7 +581,10 @@ def environment(bench: Bench) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "python": platform.python_version(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        # The output folder as $OUT: results name no machine paths.
+        "command": " ".join(
+            [Path(sys.executable).name, *("$OUT" if a == os.environ.get("OUT") else a for a in sys.argv)]
+        ),
         "triton_cache_dir": os.environ["TRITON_CACHE_DIR"],
         "peers": (
             "smoke: SDPA math on CPU in the FA2 and cuDNN columns, FlexAttention eager"
@@ -550,7 +642,7 @@ def targets(rows: list[dict]) -> list[str]:
     lines = []
     for peer, minimum, grid in TARGETS:
         for mode in MODES:
-            scoped = [r for r in rows if r["grid"] == grid]
+            scoped = [r for r in rows if (r["grid"] if grid else r["case"] in MASK_CASES)]
             misses = [
                 f"{r['case']} {SHORT[r['dtype']]} D={r['head_dim']} N={r['seq']} ({why(r, mode, peer)})"
                 for r in scoped
@@ -621,7 +713,10 @@ def plot(out_dir: Path, rows: list[dict]) -> None:
 def block_mask_times(rows: list[dict]) -> str:
     times = {(r["case"], r["seq"]): r["block_mask_s"] for r in rows if r["block_mask_s"] is not None}
     listed = ", ".join(f"{case} N={seq} {s:.2f} s" for (case, seq), s in times.items())
-    return f"FlexAttention create_block_mask (eager, once per case and N, not in the timings): {listed or 'none'}."
+    ours = ", ".join(f"{r['case']} N={r['seq']} {r['block_tables_ms']:.2f} ms" for r in rows if r["block_tables_ms"])
+    return f"FlexAttention create_block_mask (eager, once per case and N, not in the timings): {listed or 'none'}." + (
+        f" Ours, forward block tables (once per input, cached; not in the timings): {ours}." if ours else ""
+    )
 
 
 def print_table(rows: list[dict]) -> None:
@@ -641,7 +736,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="D=128, N=4k and 16k, bf16, plus the masks")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
-    parser.add_argument("--only", help="cases whose name contains this")
+    parser.add_argument("--only", help="cases whose name contains this (comma-separated: any of these)")
     parser.add_argument("--dtypes", help="comma-separated: bf16,fp16")
     parser.add_argument("--seqs", help="comma-separated sequence lengths (B = 16384 / N)")
     parser.add_argument("--heads-dims", help="comma-separated head dims (H = 2048 / D)")

@@ -106,10 +106,70 @@ def make_problem(
     """Fresh random inputs (never zeros), rounded to the spec's dtype; kv_heads < heads for GQA."""
     rng = np.random.default_rng(seed)
     shape_q = (batch, heads, q_len, spec.head_dim)
-    shape_kv = (batch, kv_heads or heads, kv_len, spec.head_dim)
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in (shape_q, shape_kv, shape_kv))
+    shape_k = (batch, kv_heads or heads, kv_len, spec.head_dim)
+    shape_v = (batch, kv_heads or heads, kv_len, spec.value_dim)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in (shape_q, shape_k, shape_v))
     q, k, v = (round_to(x, spec.dtype) for x in (q, k, v))
     return Problem(q, k, v, spec.dtype, scale, params)
+
+
+def params_as(params: dict, convert) -> dict:
+    """params with each tensor (a numpy array) converted by `convert` (torch.as_tensor, jnp.asarray)."""
+    return {name: convert(value) if isinstance(value, np.ndarray) else value for name, value in params.items()}
+
+
+def example_params(spec_name: str, batch: int, heads: int, q_len: int, kv_len: int, seed: int = 0) -> dict:
+    """Runtime params for a spec of specs/ at this shape: fixed scalars, fresh random tensors."""
+    rng = np.random.default_rng(seed)
+    examples = {
+        "alibi": lambda: {"num_heads": heads},
+        "local_window": lambda: {"left": 50, "right": 20},
+        "sliding_window": lambda: {"window": 70},
+        "prefix_lm": lambda: {"prefix": 45},
+        "softcap": lambda: {"softcap": 20.0},
+        "strided": lambda: {"stride": 24},
+        "chunked": lambda: {"chunk": 100},
+        "alibi_slopes": lambda: {"slopes": rng.uniform(0.01, 0.5, heads).astype(np.float32)},
+        # 33 buckets for distances -16..16: longer distances clamp to the table's ends.
+        "relative_bias": lambda: {"rel_bias": rng.standard_normal((heads, 33)).astype(np.float32), "max_dist": 16},
+        "bias": lambda: {"bias": rng.standard_normal((batch, heads, q_len, kv_len)).astype(np.float32)},
+        # Some prefixes are negative or past the keys: all-causal and all-visible rows.
+        "prefix_lm_batched": lambda: {"prefix": rng.integers(-5, kv_len + 5, batch).astype(np.int32)},
+        "varlen": lambda: {  # each sequence of the batch packed its own way
+            name: np.concatenate(rows)
+            for name, *rows in zip(
+                ("seq_q", "seq_kv", "pos_q", "pos_kv"),
+                *(varlen_params(*random_cu_seqlens(rng, q_len, kv_len)).values() for _ in range(batch)),
+            )
+        },
+        # Sorted ids: packed documents of random lengths (a query may start a document its keys lack).
+        "document": lambda: {
+            "seg_q": np.sort(rng.integers(0, 4, (batch, q_len)), axis=1).astype(np.int32),
+            "seg_kv": np.sort(rng.integers(0, 4, (batch, kv_len)), axis=1).astype(np.int32),
+        },
+    }
+    return examples[spec_name]() if spec_name in examples else {}
+
+
+def random_cu_seqlens(rng, q_len: int, kv_len: int, count: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Cumulative lengths of `count` packed sequences of random lengths (some empty), as
+    flash_attn_varlen_func takes them: [0, ..., q_len] and [0, ..., kv_len]."""
+    cuts = lambda n: np.sort(np.concatenate([[0, n], rng.integers(0, n + 1, count - 1)]))
+    return cuts(q_len).astype(np.int32), cuts(kv_len).astype(np.int32)
+
+
+def varlen_params(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> dict:
+    """specs/varlen.toml's tensors from cumulative lengths (the README's recipe, in numpy): each
+    token's sequence, and its position there, queries shifted to align the diagonals bottom-right."""
+    lens_q, lens_k = np.diff(cu_seqlens_q), np.diff(cu_seqlens_k)
+    seq_q = np.repeat(np.arange(len(lens_q)), lens_q)
+    seq_kv = np.repeat(np.arange(len(lens_k)), lens_k)
+    pos_q = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[seq_q] + (lens_k - lens_q)[seq_q]
+    pos_kv = np.arange(cu_seqlens_k[-1]) - cu_seqlens_k[seq_kv]
+    return {
+        name: x[None].astype(np.int32)
+        for name, x in zip(("seq_q", "seq_kv", "pos_q", "pos_kv"), (seq_q, seq_kv, pos_q, pos_kv))
+    }
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -179,7 +239,7 @@ def run_triton(spec: Spec, p: Problem):
     module = load_target(spec, "triton_gpu")
     dtype = getattr(torch, p.dtype)
     q, k, v = (torch.from_numpy(x).to(dtype) for x in (p.q, p.k, p.v))
-    out, lse = module.attention(q, k, v, scale=p.scale, return_lse=True, **p.params)
+    out, lse = module.attention(q, k, v, scale=p.scale, return_lse=True, **params_as(p.params, torch.as_tensor))
     return out.float().numpy(), lse.numpy()
 
 
@@ -189,7 +249,9 @@ def run_pallas(spec: Spec, p: Problem, interpret=True):
     module = load_target(spec, "pallas_tpu")
     dtype = getattr(jnp, p.dtype)
     q, k, v = (jnp.asarray(x).astype(dtype) for x in (p.q, p.k, p.v))
-    out, lse = module.attention(q, k, v, scale=p.scale, return_lse=True, interpret=interpret, **p.params)
+    out, lse = module.attention(
+        q, k, v, scale=p.scale, return_lse=True, interpret=interpret, **params_as(p.params, jnp.asarray)
+    )
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
 
@@ -216,7 +278,7 @@ class Cotangents:
 
 def make_cotangents(p: Problem, seed: int) -> Cotangents:
     rng = np.random.default_rng(seed + 1)
-    dout = round_to(rng.standard_normal(p.q.shape).astype(np.float32), p.dtype)
+    dout = round_to(rng.standard_normal((*p.q.shape[:3], p.v.shape[3])).astype(np.float32), p.dtype)
     dlse = rng.standard_normal(p.q.shape[:3]).astype(np.float32)
     return Cotangents(dout, dlse)
 
@@ -227,7 +289,7 @@ def reference_grads(spec: Spec, p: Problem, c: Cotangents, dtype=None) -> list[n
 
     dtype = dtype or torch.float64
     q, k, v = (torch.from_numpy(x).to(dtype).requires_grad_() for x in (p.q, p.k, p.v))
-    out, lse = attention_ref_torch(spec, q, k, v, scale=p.scale, dtype=dtype, **p.params)
+    out, lse = attention_ref_torch(spec, q, k, v, scale=p.scale, dtype=dtype, **params_as(p.params, torch.as_tensor))
     grads = torch.autograd.grad(
         [out, lse], [q, k, v], [torch.from_numpy(c.dout).to(dtype), torch.from_numpy(c.dlse).to(dtype)]
     )
@@ -265,7 +327,7 @@ def run_triton_grad(spec: Spec, p: Problem, c: Cotangents):
     module = load_target(spec, "triton_gpu")
     dtype = getattr(torch, p.dtype)
     q, k, v = (torch.from_numpy(x).to(dtype).requires_grad_() for x in (p.q, p.k, p.v))
-    out, lse = module.attention(q, k, v, scale=p.scale, return_lse=True, **p.params)
+    out, lse = module.attention(q, k, v, scale=p.scale, return_lse=True, **params_as(p.params, torch.as_tensor))
     grads = torch.autograd.grad([out, lse], [q, k, v], [torch.from_numpy(c.dout).to(dtype), torch.from_numpy(c.dlse)])
     return [g.float().numpy() for g in grads]
 
@@ -279,7 +341,9 @@ def run_pallas_grad(spec: Spec, p: Problem, c: Cotangents, interpret=True):
     q, k, v = (jnp.asarray(x).astype(dtype) for x in (p.q, p.k, p.v))
 
     def f(q, k, v):
-        return module.attention(q, k, v, scale=p.scale, return_lse=True, interpret=interpret, **p.params)
+        return module.attention(
+            q, k, v, scale=p.scale, return_lse=True, interpret=interpret, **params_as(p.params, jnp.asarray)
+        )
 
     _, vjp = jax.vjp(f, q, k, v)
     grads = vjp((jnp.asarray(c.dout).astype(dtype), jnp.asarray(c.dlse)))

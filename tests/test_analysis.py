@@ -21,6 +21,7 @@ def classify(bounds, *, q_len, kv_len, block_q, block_kv, b, h, params) -> np.nd
             "q_first": qb * block_q,
             "q_last": min(qb * block_q + block_q, q_len) - 1,
             "kv_len": kv_len,
+            "q_len": q_len,
             "b": b,
             "h": h,
             **params,
@@ -81,6 +82,8 @@ BAND_MASKS = [
     f"q_idx - kv_idx <= {INT_PARAM} and kv_idx - q_idx <= {INT_PARAM}",
     f"kv_idx >= {INT_PARAM}",
     f"q_idx < {INT_PARAM}",
+    "q_idx + kv_len - q_len >= kv_idx",  # causal, bottom-right aligned
+    f"q_idx + kv_len - q_len >= kv_idx and q_idx + kv_len - q_len - kv_idx < {INT_PARAM}",
 ]
 
 
@@ -114,3 +117,35 @@ def test_unboundable_terms_are_reported():
     spec = mask_spec("q_idx >= kv_idx and (q_idx - kv_idx) % 3 == 0")
     assert not analyse_mask(spec.mask, {}, 64).affine
     assert analyse_mask(mask_spec("q_idx >= kv_idx").mask, {}, 64).affine
+
+
+CHUNKED_MASKS = [  # INT_PARAM is the chunk
+    f"q_idx // {INT_PARAM} == kv_idx // {INT_PARAM}",
+    f"q_idx // {INT_PARAM} == kv_idx // {INT_PARAM} and q_idx >= kv_idx",  # Llama 4's chunked attention
+    f"(q_idx + 3) // {INT_PARAM} <= kv_idx // {INT_PARAM}",
+]
+
+
+@settings(max_examples=150)
+@given(
+    mask=st.sampled_from(CHUNKED_MASKS),
+    q_len=st.integers(1, 300),
+    kv_len=st.integers(1, 300),
+    block_q=st.sampled_from([8, 16, 32, 64]),
+    block_kv=st.sampled_from([16, 32, 64]),
+    chunk=st.integers(1, 300),
+)
+def test_chunked_masks_are_tight(mask, q_len, kv_len, block_q, block_kv, chunk):
+    """Floors of the key position are solved exactly (floor(k / c) <= r <=> k <= c r + c - 1), so
+    chunked masks get closed-form bounds as tight as the band masks'."""
+    spec = mask_spec(mask)
+    bounds = analyse_mask(spec.mask, {INT_PARAM: spec.params[0].type}, block_kv)
+    assert bounds.affine
+    params = {INT_PARAM: chunk}
+    ours = classify(bounds, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv, b=0, h=0, params=params)
+    truth = brute_force(dense_mask(spec, 1, 1, q_len, kv_len, params)[0, 0], block_q, block_kv)
+    if kv_len % block_kv:
+        truth[:, -1] = np.minimum(truth[:, -1], PARTIAL)
+    blind = (truth == EMPTY).all(axis=1)
+    assert ((ours[blind] != EMPTY).sum(axis=1) <= 1).all()
+    np.testing.assert_array_equal(ours[~blind], truth[~blind])

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 from attngen.spec import load_spec
 from tests import harness
-from tests.test_triton import DRAWN, SPEC_PARAMS, SPECS
+from tests.test_triton import DRAWN, SPECS
 
 
 def _tpu_interpret_params():
@@ -38,7 +38,7 @@ def test_spec_examples_tpu_interpret(spec_file, dtype):
     poisoned with NaN."""
     spec = _small_blocks(harness.with_dtype(load_spec(spec_file), dtype))
     p = harness.make_problem(
-        spec, batch=1, heads=2, q_len=300, kv_len=333, seed=7, params=SPEC_PARAMS.get(spec.name, {})
+        spec, batch=1, heads=2, q_len=300, kv_len=333, seed=7, params=harness.example_params(spec.name, 1, 2, 300, 333)
     )
     interpret = _tpu_interpret_params()
     harness.assert_exact(spec, p, *harness.run_pallas(spec, p, interpret=interpret))

@@ -89,7 +89,8 @@ def test_conflicts_and_missing_keys():
     assert any("missing `name`" in p for p in problems("head_dim = 64\n"))
     assert any("must be a table" in p for p in problems(GOOD + "mask = 3\n"))
     assert any(
-        'must be "int" or "float"' in p for p in problems(GOOD + '[mask]\nexpr = "q_idx > w"\n[params]\nw = "long"\n')
+        'must be "int", "float", "int[axes]" or "float[axes]"' in p
+        for p in problems(GOOD + '[mask]\nexpr = "q_idx > w"\n[params]\nw = "long"\n')
     )
 
 
@@ -203,7 +204,7 @@ def test_wrong_types_everywhere_are_located(table, key, value):
         # Tables in every TOML form: [[array of tables]], [dotted.header], inline tables, dotted keys.
         (GOOD + "[[mask]]\nexpr = 'q_idx > 0'\n", 3, 1, "`mask` must be a table ([mask]), got an array"),
         (GOOD + "[mask.expr]\nx = 1\n", 3, 1, "`expr` must be a string, got a table"),
-        (GOOD + "[params.w]\nx = 1\n", 3, 1, 'param `w` must be "int" or "float", got a table'),
+        (GOOD + "[params.w]\nx = 1\n", 3, 1, 'param `w`: the type must be a string such as "int", got a table'),
         (GOOD + "triton = { block_m = 32, colour = 1 }\n", 3, 26, "unknown key `colour` in [triton]"),
         (GOOD + "triton.colour = 1\n", 3, 1, "unknown key `colour` in [triton]"),
         (GOOD + '"quoted key" = 1\n', 3, 1, "unknown key `quoted key`"),
@@ -271,3 +272,20 @@ def test_unused_params_are_not_guessed_when_an_expression_does_not_parse():
 def test_head_dim_must_be_a_multiple_of_8():
     (rendered,) = problems('name = "x"\nhead_dim = 20\n')
     assert "s.toml:2:1:" in rendered and "not a multiple of 8" in rendered and "head_dim = 24" in rendered
+
+
+def test_causal_alignment():
+    bottom_right = parse_spec(GOOD + '[mask]\ncausal = "bottom_right"\n', "s.toml")
+    assert bottom_right.mask_source == "q_idx + kv_len - q_len >= kv_idx"
+    assert parse_spec(GOOD + '[mask]\ncausal = "top_left"\n', "s.toml").mask_source == CAUSAL_MASK
+    assert parse_spec(GOOD + "[mask]\ncausal = false\n", "s.toml").mask is None
+    (shown,) = problems(GOOD + '[mask]\ncausal = "diagonal"\n')
+    assert 'causal must be true, false, "top_left" or "bottom_right"' in shown and "s.toml:4:1" in shown
+
+
+def test_value_head_dim():
+    spec = parse_spec(GOOD + "head_dim_v = 32\n", "s.toml")
+    assert (spec.head_dim, spec.value_dim) == (64, 32) and parse_spec(GOOD, "s.toml").value_dim == 64
+    (shown,) = problems(GOOD + "head_dim_v = 100\n")
+    assert "head_dim_v 100 is not a multiple of 8" in shown and "head_dim_v = 104" in shown
+    assert "head_dim_v 512 is outside 16..256" in problems(GOOD + "head_dim_v = 512\n")[0]

@@ -13,14 +13,6 @@ from tests import harness
 from tests.strategies import shapes, spec_toml, specs
 
 SPECS = sorted(Path(__file__).resolve().parent.parent.joinpath("specs").glob("*.toml"))
-SPEC_PARAMS = {
-    "alibi": {"num_heads": 2},
-    "local_window": {"left": 50, "right": 20},
-    "sliding_window": {"window": 70},
-    "prefix_lm": {"prefix": 45},
-    "softcap": {"softcap": 20.0},
-    "strided": {"stride": 24},
-}
 DRAWN = {
     "drawn": specs(),
     "shape": shapes(),
@@ -35,7 +27,7 @@ def test_spec_examples(spec_file, dtype):
     """Each spec in specs/, with its own block sizes, at lengths that leave tails."""
     spec = harness.with_dtype(load_spec(spec_file), dtype)
     p = harness.make_problem(
-        spec, batch=1, heads=2, q_len=300, kv_len=277, seed=11, params=SPEC_PARAMS.get(spec.name, {})
+        spec, batch=1, heads=2, q_len=300, kv_len=277, seed=11, params=harness.example_params(spec.name, 1, 2, 300, 277)
     )
     harness.assert_exact(spec, p, *harness.run_triton(spec, p))
     c = harness.make_cotangents(p, seed=11)

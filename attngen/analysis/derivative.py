@@ -3,7 +3,7 @@
 Goals: the backward pass needs f'(score) for a score modifier score' = f(score, q_idx, kv_idx,
 b, h, params). sympy differentiates the expression and simplifies the result; this pass turns it
 back into IR that both backends print like any other expression.
-Non-goals: gradients with respect to params (they are runtime scalars, not tensors).
+Non-goals: gradients with respect to params (scalars and tensors alike are constants here).
 
 Subgradients at kinks are documented choices: abs'(0) = 0 (sign), max/min split 1/2 each at a
 tie (Heaviside(0) = 1/2), where(c, a, b)' = where(c, a', b') (the condition's boundary is ignored).
@@ -16,7 +16,7 @@ from functools import reduce
 import sympy
 
 from attngen import ir
-from attngen.analysis.tiles import to_sympy
+from attngen.analysis.tiles import is_tensor_load, to_sympy
 from attngen.errors import AttngenError
 from attngen.ir import Type, VarKind
 
@@ -32,11 +32,13 @@ def score_derivative(score: ir.Expr, params: dict[str, Type]) -> ir.Expr:
     symbols = {
         "score": SCORE,
         **{n: sympy.Symbol(n, integer=True, nonnegative=True) for n in ir.INDEX_VARS},
+        **{n: sympy.Symbol(n, integer=True, positive=True) for n in ir.SIZE_VARS},
         **{
             n: sympy.Symbol(n, integer=True) if t is Type.INT else sympy.Symbol(n, real=True) for n, t in params.items()
         },
     }
     kinds = {"score": VarKind.SCORE, **{n: VarKind.INDEX for n in ir.INDEX_VARS}, **{n: VarKind.PARAM for n in params}}
+    kinds |= {n: VarKind.SIZE for n in ir.SIZE_VARS}
     # factor_terms is the light simplification that keeps the functions of the language (simplify
     # would turn 1 - tanh(x)**2 into 1/cosh(x)**2, which the language cannot spell).
     derivative = sympy.factor_terms(sympy.diff(to_sympy(score, symbols), SCORE))
@@ -61,6 +63,10 @@ class _Converter:
         if x.is_Symbol:
             kind = self.kinds[x.name]
             return ir.Var(Type.FLOAT if x.name == "score" or x.is_integer is not True else Type.INT, x.name, kind)
+        if is_tensor_load(x):
+            return ir.Load(
+                Type.INT if x.is_integer else Type.FLOAT, x.func.__name__, tuple(self.any(a) for a in x.args)
+            )
         if isinstance(x, sympy.Add):
             terms = sorted(x.args, key=lambda t: (t.could_extract_minus_sign(), t.is_Number, sympy.default_sort_key(t)))
             out = self.any(terms[0])

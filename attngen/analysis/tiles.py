@@ -6,12 +6,15 @@ outside is EMPTY (no visible key) and is neither loaded nor computed. Inside, bl
 rest are PARTIAL and evaluate the mask. Both templates run exactly these expressions.
 
 Goals:
-  * closed-form bounds for affine masks: conjunctions and disjunctions of atoms
-    `a*q_idx + c <= kv_idx` / `kv_idx <= a*q_idx + c` (c may hold int params, b and h) and of
-    q-only conditions -- causal, sliding windows, prefix-LM and their and/or combinations;
+  * closed-form bounds for conjunctions and disjunctions of atoms `r(q_idx) <= k` / `k <= r(q_idx)`
+    where k is kv_idx or kv_idx // d (d > 0: chunks) and r is monotone in q_idx (a*q_idx,
+    q_idx // d, plus terms of int params, b, h, the lengths, and int tensors read at b and h such
+    as a per-batch prefix[b]), and of q-only conditions -- causal either way aligned, sliding and
+    local windows, chunks, prefix-LM and their and/or combinations;
   * soundness for everything else: an atom sympy cannot bound makes its tiles PARTIAL, never
     wrongly EMPTY or FULL.
-Non-goals: masks that depend on data (document masks) need runtime block tables (a later pass);
+Non-goals: masks that read tensors at each position (document masks) have no closed form: the
+templates build block tables for them at run time (plan.block_tables);
 bounds are intervals, so a mask with holes (e.g. dilated) is visited over its hull.
 
 Method: the mask becomes a sympy boolean in negation normal form; each atom is solved for kv_idx
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from functools import reduce
 
 import sympy
+from sympy.core.function import AppliedUndef
 
 from attngen import ir
 from attngen.ir import Type, VarKind
@@ -39,6 +43,7 @@ K = sympy.Symbol("col", integer=True)
 Q_FIRST = sympy.Symbol("row_first", integer=True, nonnegative=True)
 Q_LAST = sympy.Symbol("row_last", integer=True, nonnegative=True)
 KV_LEN = sympy.Symbol("col_len", integer=True, positive=True)
+ROW_LEN = sympy.Symbol("row_len", integer=True, positive=True)
 # Each bound may read the ones computed before it, in this order.
 KV_LO = sympy.Symbol("col_lo", integer=True, nonnegative=True)
 KV_HI = sympy.Symbol("col_hi", integer=True, nonnegative=True)
@@ -64,6 +69,7 @@ BY_QUERY_BLOCK = Orientation(
     {
         "row_first": "q_first",
         "row_last": "q_last",
+        "row_len": "q_len",
         "col_len": "kv_len",
         "col_lo": "kv_lo",
         "col_hi": "kv_hi",
@@ -76,6 +82,7 @@ BY_KEY_BLOCK = Orientation(
     {
         "row_first": "kv_first",
         "row_last": "kv_last",
+        "row_len": "kv_len",
         "col_len": "q_len",
         "col_lo": "q_lo",
         "col_hi": "q_hi",
@@ -130,6 +137,16 @@ class FloorDiv(sympy.Function):
 # ---------------------------------------------------------------------------- IR <-> sympy
 
 
+def tensor_function(name: str, element: Type) -> sympy.FunctionClass:
+    """The undefined sympy function standing for tensor param `name`: sympy knows nothing of its
+    values but their type, so a load is an opaque integer or real of its indices."""
+    return sympy.Function(name, integer=True) if element is Type.INT else sympy.Function(name, real=True)
+
+
+def is_tensor_load(x: sympy.Basic) -> bool:
+    return isinstance(x, AppliedUndef)
+
+
 def to_sympy(e: ir.Expr, symbols: dict[str, sympy.Symbol]) -> sympy.Basic:
     """The sympy form of an IR expression (integers exact, floor semantics for // and %)."""
     rec = lambda x: to_sympy(x, symbols)
@@ -174,6 +191,8 @@ def to_sympy(e: ir.Expr, symbols: dict[str, sympy.Symbol]) -> sympy.Basic:
         if e.type is Type.BOOL:
             return sympy.Or(sympy.And(c, a), sympy.And(sympy.Not(c), b))
         return sympy.Piecewise((a, c), (b, True))
+    if isinstance(e, ir.Load):
+        return tensor_function(e.tensor, e.type)(*(rec(i) for i in e.indices))
     if isinstance(e, ir.Func):
         args = [rec(a) for a in e.args]
         return {
@@ -200,6 +219,8 @@ def _int_ir(x: sympy.Basic, kinds: dict[str, tuple[str, VarKind]]) -> ir.Expr:
         return ir.Const(Type.INT, int(x))
     if x.is_Symbol:
         return ir.Var(Type.INT, *kinds[x.name])
+    if is_tensor_load(x):  # an int tensor read at program-constant indices, e.g. prefix[b]
+        return ir.Load(Type.INT, x.func.__name__, tuple(rec(a) for a in x.args))
     if isinstance(x, sympy.Add):
         # Positive symbolic terms first, then subtracted ones, constants last: `q_last + 1 - w`.
         terms = sorted(x.args, key=lambda t: (t.is_Number, t.could_extract_minus_sign(), sympy.default_sort_key(t)))
@@ -214,13 +235,19 @@ def _int_ir(x: sympy.Basic, kinds: dict[str, tuple[str, VarKind]]) -> ir.Expr:
         coeff, rest = x.as_coeff_Mul()
         if coeff == -1:
             return ir.Neg(Type.INT, rec(rest))
-        return ir.Arith(Type.INT, "*", rec(coeff), rec(rest)) if coeff != 1 else rec(rest)
+        if coeff != 1:
+            return ir.Arith(Type.INT, "*", rec(coeff), rec(rest))
+        factors = sympy.Mul.make_args(rest)  # symbolic factors, e.g. chunk * floor(...)
+        return reduce(lambda a, b: ir.Arith(Type.INT, "*", a, b), (rec(f) for f in factors))
     if isinstance(x, (sympy.Max, sympy.Min)):
         name = "max" if isinstance(x, sympy.Max) else "min"
         args = sorted(x.args, key=sympy.default_sort_key)
         return reduce(lambda a, b: ir.Func(Type.INT, name, (a, b)), (rec(a) for a in args))
     if isinstance(x, FloorDiv):
         return ir.Arith(Type.INT, "//", rec(x.args[0]), rec(x.args[1]))
+    if isinstance(x, sympy.floor):  # from a chunked mask: floor((row + e) / d), d > 0
+        numerator, denominator = sympy.fraction(sympy.together(x.args[0]))
+        return ir.Arith(Type.INT, "//", rec(numerator), rec(denominator))
     if isinstance(x, sympy.Piecewise):
         (value, cond), *rest = x.args
         if cond is sympy.true or not rest:
@@ -290,10 +317,34 @@ def _size(x: _Interval | sympy.Basic) -> int:
     return sympy.count_ops(x)
 
 
-def _q_extremes(a: int, c: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
-    """(min, max) of a*q + c over the q block's rows."""
-    at_first, at_last = a * Q_FIRST + c, a * Q_LAST + c
-    return (at_first, at_last) if a >= 0 else (at_last, at_first)
+def _floor_of(term: sympy.Basic, var: sympy.Symbol) -> tuple[sympy.Expr, sympy.Expr] | None:
+    """(e, d) when term is floor((var + e) / d) with d > 0 and e free of var, else None."""
+    if not isinstance(term, sympy.floor):
+        return None
+    numerator, denominator = sympy.fraction(sympy.together(term.args[0]))
+    e = sympy.expand(numerator - var)
+    if denominator.is_positive and not e.has(var) and not denominator.has(var):
+        return e, denominator
+    return None
+
+
+def _extremes(g: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr] | None:
+    """(min, max) of g over the row block's rows, when g is monotone in the row: terms free of it,
+    plus a*row and a*floor((row + e) / d) (d > 0) terms whose coefficients a share one sign.
+    None otherwise (the atom is then not bounded in closed form)."""
+    increasing = set()
+    for term in sympy.Add.make_args(sympy.expand(g)):
+        if not term.has(Q):
+            continue
+        factors = [f for f in sympy.Mul.make_args(term) if f.has(Q)]
+        if len(factors) != 1 or not (factors[0] == Q or _floor_of(factors[0], Q)):
+            return None
+        coefficient = term / factors[0]
+        if coefficient.is_positive is None and coefficient.is_negative is None:
+            return None
+        increasing.add(bool(coefficient.is_positive))
+    at_first, at_last = g.subs(Q, Q_FIRST), g.subs(Q, Q_LAST)
+    return (at_last, at_first) if increasing == {False} else (at_first, at_last)
 
 
 def _all_or_none(condition: sympy.Basic) -> _Interval:
@@ -305,23 +356,43 @@ def _all_or_none(condition: sympy.Basic) -> _Interval:
 
 
 def _atom(diff: sympy.Expr) -> tuple[_Interval, _Interval] | None:
-    """(visit, full) for the atom diff >= 0, or None if it is not affine in kv_idx."""
-    diff = sympy.expand(diff)
-    a, b = diff.coeff(Q), diff.coeff(K)
-    c = sympy.expand(diff - a * Q - b * K)
-    if not (a.is_Integer and b.is_Integer and c.is_integer and not c.has(Q, K)):
+    """(visit, full) for the atom diff >= 0, or None if it cannot be solved for kv_idx in closed form.
+
+    Solvable: diff = s * k + r(row) with s = +-1, where k is kv_idx or floor((kv_idx + e) / d)
+    (d > 0: chunked masks) and r is monotone in the row (see _extremes). Floors are undone exactly
+    for integers: floor(x / d) <= r  <=>  x <= d * r + d - 1, and floor(x / d) >= r  <=>  x >= d * r.
+    """
+    terms = sympy.Add.make_args(sympy.expand(diff))
+    col_terms = [t for t in terms if t.has(K)]
+    rest = sympy.Add(*(t for t in terms if not t.has(K)))
+    if not rest.is_integer:
         return None
-    a, b = int(a), int(b)
-    if b == 0:  # a condition on the row alone: every key of the row or none
-        low, high = _q_extremes(a, c)
+    if not col_terms:  # a condition on the row alone: every key of the row or none
+        if (extremes := _extremes(rest)) is None:
+            return None
+        low, high = extremes
         return _all_or_none(high >= 0), _all_or_none(low >= 0)
-    if b == 1:  # kv_idx >= -(a*q + c)
-        low, high = _q_extremes(-a, -c)
+    if len(col_terms) != 1:
+        return None
+    sign, col = col_terms[0].as_coeff_Mul()
+    if sign not in (1, -1):
+        return None  # |s| > 1 would need floor division of signed values: left to the mask code
+    if col == K:
+        lower, upper = -rest, rest  # s = 1: kv_idx >= -r; s = -1: kv_idx <= r
+    elif (floor := _floor_of(col, K)) is not None:
+        e, d = floor
+        lower, upper = -d * rest - e, d * rest + d - 1 - e
+    else:
+        return None
+    if sign == 1:  # kv_idx >= lower(row)
+        if (extremes := _extremes(lower)) is None:
+            return None
+        low, high = extremes
         return _Interval(low, KV_LEN - 1), _Interval(high, KV_LEN - 1)
-    if b == -1:  # kv_idx <= a*q + c
-        low, high = _q_extremes(a, c)
-        return _Interval(sympy.Integer(0), high), _Interval(sympy.Integer(0), low)
-    return None  # |b| > 1 would need floor division of signed values: left to the mask code
+    if (extremes := _extremes(upper)) is None:  # kv_idx <= upper(row)
+        return None
+    low, high = extremes
+    return _Interval(sympy.Integer(0), high), _Interval(sympy.Integer(0), low)
 
 
 def _relation(rel: sympy.Basic) -> sympy.Basic:
@@ -408,12 +479,17 @@ def analyse_mask(
     symbols = {
         orientation.row_var: Q,
         orientation.col_var: K,
+        orientation.names["row_len"]: ROW_LEN,
+        orientation.names["col_len"]: KV_LEN,
         "b": sympy.Symbol("b", integer=True, nonnegative=True),
         "h": sympy.Symbol("h", integer=True, nonnegative=True),
         **{
             n: sympy.Symbol(n, integer=True) if t is Type.INT else sympy.Symbol(n, real=True) for n, t in params.items()
         },
     }
+    # A param that divides is positive: the generated functions refuse anything else (DIVISORS).
+    divisors = ir.divisor_params(mask) if mask is not None else frozenset()
+    symbols |= {n: sympy.Symbol(n, integer=True, positive=True) for n in divisors if n in params}
     bounder = _Bounder()
     if mask is None:
         visit, full = _ALL, _ALL

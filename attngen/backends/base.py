@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from attngen.backends.emit import Dialect
@@ -19,6 +20,11 @@ class Backend:
     dq_block_kv_key: str
     dkdv_block_q_key: str
     helper_functions: frozenset[str]  # dialect functions the template defines only when used
+    # What a kernel takes for a tensor param: (its name in kernels, its rank) -> argument names.
+    tensor_args: Callable[[str, int], tuple[str, ...]]
+    # Whether loads at per-position indices (q_idx, kv_idx) are materialised before the kernels
+    # into score-shaped tiles (TPUs have no general gather), rather than read in the kernels.
+    gathers_position_loads: bool
 
     @property
     def filename(self) -> str:

@@ -28,18 +28,38 @@ class Dialect:
     to_float: Callable[[str], str]  # operand source (already atomic) -> source
     floordiv: str | None  # helper with floor semantics, or None when `//` already floors
     floormod: str | None
+    # A tensor element: (the tensor's name in the target, each index's source) -> source.
+    load: Callable[[str, list[str]], str]
+    # An index clamped into an axis: (index source, the tensor's name in the target, axis) -> source.
+    clamp: Callable[[str, str, int], str]
     logic: tuple[str, str] = ("&", "|")  # spelling of and, or
 
 
-def emit(e: ir.Expr, dialect: Dialect, names: dict[str, str]) -> str:
-    """Source for e; `names` maps every variable e reads to its spelling in the target."""
-    return _Printer(dialect, names).print(e)[0]
+# The position variable that spans each axis name of a tensor param exactly.
+_AXIS_OF = {"b": "batch", "h": "heads", "q_idx": "q_len", "kv_idx": "kv_len"}
+
+
+def emit(e: ir.Expr, dialect: Dialect, names: dict[str, str], shapes: dict | None = None) -> str:
+    """Source for e; `names` maps every variable e reads to its spelling in the target, `shapes`
+    each tensor param to its declared axes.
+
+    A load clamps each index into its axis (the language's rule) except an index that is the
+    position variable of that axis (q_idx on a q_len axis, ...): it is in range for every real
+    position, and left bare keeps the access contiguous for the compiler.
+    """
+    return _Printer(dialect, names, shapes or {}).print(e)[0]
+
+
+def exact_index(index: ir.Expr, axis: int | str) -> bool:
+    """Whether index is the position variable that spans `axis` (so needs no clamping)."""
+    return isinstance(index, ir.Var) and _AXIS_OF.get(index.name) == axis
 
 
 @dataclass
 class _Printer:
     dialect: Dialect
     names: dict[str, str]
+    shapes: dict[str, tuple[int | str, ...]]
 
     def atom(self, e: ir.Expr) -> str:
         text, prec = self.print(e)
@@ -85,4 +105,11 @@ class _Printer:
             return self.call(d.where, e.cond, e.if_true, e.if_false)
         if isinstance(e, ir.Func):
             return self.call(d.functions[e.name], *e.args)
+        if isinstance(e, ir.Load):
+            tensor, axes = self.names[e.tensor], self.shapes.get(e.tensor, ())
+            indices = [
+                text if k < len(axes) and exact_index(index, axes[k]) else d.clamp(text, tensor, k)
+                for k, (index, text) in enumerate((i, self.print(i)[0]) for i in e.indices)
+            ]
+            return d.load(tensor, indices), _ATOM
         raise AssertionError(f"unhandled IR node {e!r}")

@@ -21,12 +21,16 @@ PALLAS_TPU = Backend(
         to_float=lambda x: f"{x}.astype(jnp.float32)",
         floordiv=None,  # jnp's // and % already floor
         floormod=None,
+        load=lambda tensor, indices: f"{tensor}[{', '.join(indices)}]",
+        clamp=lambda index, tensor, axis: f"jnp.clip({index}, 0, {tensor}.shape[{axis}] - 1)",  # shapes are static
     ),
     param_prefix="param_",
     block_kv_key="block_kv",
     dq_block_kv_key="block_kv",
     dkdv_block_q_key="block_q",
     helper_functions=frozenset(),
+    tensor_args=lambda name, rank: (name,),  # a ref in scalar memory (SMEM)
+    gathers_position_loads=True,
 )
 
 # Scoped VMEM a Mosaic kernel may use unless the spec raises it (vmem_limit_bytes): the default

@@ -9,6 +9,13 @@ from pathlib import Path
 from attngen.backends.base import Backend
 from attngen.backends.emit import Dialect
 
+
+def tensor_args(name: str, rank: int) -> tuple[str, ...]:
+    """A tensor param reaches the kernels as its (contiguous) data and the size of each axis;
+    the template's load_<name> helper reads elements (the printer clamps the indices)."""
+    return (name, *(f"{name}_size{axis}" for axis in range(rank)))
+
+
 TRITON_GPU = Backend(
     name="triton_gpu",
     template="triton/attention.py.jinja",
@@ -27,12 +34,16 @@ TRITON_GPU = Backend(
         to_float=lambda x: f"{x}.to(tl.float32)",
         floordiv="floordiv",  # helpers: Triton's // and % truncate toward zero
         floormod="floormod",
+        load=lambda tensor, indices: f"load_{tensor}({', '.join(tensor_args(tensor, len(indices)) + tuple(indices))})",
+        clamp=lambda index, tensor, axis: f"clamped({index}, {tensor}_size{axis})",
     ),
     param_prefix="param_",
     block_kv_key="block_n",
     dq_block_kv_key="dq_block_n",
     dkdv_block_q_key="dkdv_block_m",
     helper_functions=frozenset({"tanh", "floordiv", "floormod"}),
+    tensor_args=tensor_args,
+    gathers_position_loads=False,
 )
 
 

@@ -43,15 +43,17 @@ _ELEMENT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 @dataclass(frozen=True)
 class _Kernel:
     function: str
-    tensors: str  # per tensor argument: "m" / "n" a descriptor of block_m / block_n rows, "f" a float32 pointer
+    # Per tensor argument: "m" / "n" a descriptor of block_m / block_n rows (upper case: head_dim_v
+    # wide: v, out, dout, dv), "f" a float32 pointer.
+    tensors: str
     blocks: tuple[str, str, str, str]  # the module constants: block_m, block_n, num_warps, num_stages
 
 
 _KERNELS = {
-    "fwd": _Kernel("_attention_fwd", "mnnmf", ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")),
-    "bwd_dq": _Kernel("_attention_bwd_dq", "mnnmmfffm", ("DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS", "DQ_NUM_STAGES")),
+    "fwd": _Kernel("_attention_fwd", "mnNMf", ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")),
+    "bwd_dq": _Kernel("_attention_bwd_dq", "mnNMMfffm", ("DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS", "DQ_NUM_STAGES")),
     "bwd_dkdv": _Kernel(
-        "_attention_bwd_dkdv", "mnnmffnn", ("DKDV_BLOCK_M", "DKDV_BLOCK_N", "DKDV_NUM_WARPS", "DKDV_NUM_STAGES")
+        "_attention_bwd_dkdv", "mnNMffnN", ("DKDV_BLOCK_M", "DKDV_BLOCK_N", "DKDV_NUM_WARPS", "DKDV_NUM_STAGES")
     ),
 }
 
@@ -77,17 +79,33 @@ def _signature(module, kernel: _Kernel, dtype: str):
     block_m, block_n = (getattr(module, name) for name in kernel.blocks[:2])
     rows = {"m": block_m, "n": block_n}
     tensor_types = iter(
-        f"tensordesc<{_ELEMENT[dtype]}[1,1,{rows[t]},{module.BLOCK_D}]>" if t in rows else "*fp32"
+        f"tensordesc<{_ELEMENT[dtype]}[1,1,{rows[t.lower()]},{module.BLOCK_D if t.islower() else module.BLOCK_DV}]>"
+        if t.lower() in rows
+        else "*fp32"
         for t in kernel.tensors
     )
     # GROUP = 1: query heads per kv head without GQA (each group size compiles its own kernel)
-    constexpr_values = {"GROUP": 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": module.BLOCK_D}
+    constexpr_values = {
+        "GROUP": 1,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_D": module.BLOCK_D,
+        "BLOCK_DV": module.BLOCK_DV,
+    }
+    tensors = getattr(module, "TENSOR_PARAMS", {})
     signature, constexprs, attrs = {}, {}, {}
     for index, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:
             signature[name], constexprs[name] = "constexpr", constexpr_values[name]
         elif name == "num_heads":
             signature[name], attrs[(index,)] = "i32", [["tt.divisibility", 16]]
+        elif name == "TABLES":  # block tables of a mask that reads tensors (_block_tables)
+            signature[name], attrs[(index,)] = "*i32", [["tt.divisibility", 16]]
+        elif name.startswith("tables_stride_"):
+            signature[name] = "i32"
+        elif name.removeprefix("param_") in tensors:  # a tensor param's data
+            signature[name] = "*fp32" if tensors[name.removeprefix("param_")][0] is float else "*i32"
+            attrs[(index,)] = [["tt.divisibility", 16]]
         elif name in ("scale",) or module.PARAMS.get(name.removeprefix("param_")) is float:
             signature[name] = "fp32"
         elif name in ("q_len", "kv_len") or name.startswith("param_"):

@@ -54,11 +54,29 @@ def _problem(module, device):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     tile = array((1, 1, length, module.HEAD_DIM), module.DTYPE)
+    tile_v = array((1, 1, length, module.HEAD_DIM_V), module.DTYPE)  # v, out and dout
     stats = array((1, 1, length), jnp.float32)
-    params = (array((len(module.PARAMS) + 1,), jnp.int32), array((len(module.PARAMS) + 1,), jnp.float32))
+    scalars = (array((len(module.PARAMS) + 1,), jnp.int32), array((len(module.PARAMS) + 1,), jnp.float32))
+    # Tensor params at the problem's sizes (a free axis: 8), and the tiles gathered from them.
+    sizes = {"batch": 1, "heads": 1, "kv_heads": 1, "q_len": length, "kv_len": length}
+    tensors = getattr(module, "TENSOR_PARAMS", {})
+    smem = tuple(
+        array(
+            tuple(axis if isinstance(axis, int) else sizes.get(axis, 8) for axis in tensors[name][1]),
+            jnp.int32 if tensors[name][0] is int else jnp.float32,
+        )
+        for name in getattr(module, "SMEM_TENSORS", ())
+    )
+    gathered = tuple(
+        array((1, 1, length if axes[2] else 1, length if axes[3] else 1), dtype)
+        for dtype, axes in getattr(module, "GATHERED", ())
+    )
+    # A mask that reads tensors at each position comes with a table of tile classes (2 x 2 blocks).
+    classes = (array((1, 1, 2, 2), jnp.int32),) if hasattr(module, "_tile_classes") else ()
+    prefetch = (*scalars, *smem, *classes)
     return {
-        "fwd": (module._forward, (tile, tile, tile, *params)),
-        "bwd": (module._backward, (tile, stats, tile, tile, tile, tile, stats, *params)),
+        "fwd": (module._forward, (tile, tile, tile_v, prefetch, gathered)),
+        "bwd": (module._backward, (tile_v, stats, tile, tile, tile_v, tile_v, stats, prefetch, gathered)),
     }
 
 

@@ -50,6 +50,14 @@ class Call(Node):
 
 
 @dataclass(frozen=True)
+class Index(Node):
+    """An element of a tensor param: `name[args]`."""
+
+    name: str
+    args: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
 class Unary(Node):
     op: str  # "-" or "not"
     operand: Node
@@ -107,6 +115,8 @@ def names(node: Node) -> frozenset[str]:
         return frozenset({node.name})
     if isinstance(node, Call):
         return frozenset().union(*(names(a) for a in node.args))
+    if isinstance(node, Index):
+        return frozenset({node.name}).union(*(names(a) for a in node.args))
     if isinstance(node, Unary):
         return names(node.operand)
     if isinstance(node, Binary):
@@ -156,6 +166,8 @@ def _to_ast(item: lark.Tree | lark.Token, depth: int) -> Node:
     if rule == "call":
         args = tuple(_to_ast(a, depth + 1) for a in kids[1:] if a is not None)
         return Call(span, str(kids[0]), args)
+    if rule == "index":
+        return Index(span, str(kids[0]), tuple(_to_ast(a, depth + 1) for a in kids[1:]))
     if rule == "neg":
         return Unary(span, "-", _to_ast(kids[0], depth + 1))
     if rule == "not_":

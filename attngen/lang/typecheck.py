@@ -36,6 +36,9 @@ MAX_MASK_COMPARISONS = 32
 MAX_MIN_MAX = 16
 
 
+_INDEX_EXAMPLES = {1: "h", 2: "b, q_idx", 3: "b, h, q_idx", 4: "b, h, q_idx, kv_idx"}
+
+
 @dataclass(frozen=True)
 class TypeProblem:
     message: str
@@ -45,10 +48,12 @@ class TypeProblem:
 
 @dataclass
 class Scope:
-    """What names an expression may read: params map to their declared type."""
+    """What names an expression may read: scalar params map to their type, tensor params to
+    (element type, rank)."""
 
     params: dict[str, Type]
     allow_score: bool
+    tensors: dict[str, tuple[Type, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,7 +88,7 @@ class _Checker:
     def _fold(self, expr: ir.Expr, node: ast.Node) -> bool:
         """Evaluate expr if it is constant and check the value fits the kernels' types; False
         after recording a problem."""
-        if isinstance(expr, ir.Var):
+        if isinstance(expr, (ir.Var, ir.Load)):  # runtime values
             return True
         if isinstance(expr, ir.Const):
             value = expr.value
@@ -123,11 +128,15 @@ class _Checker:
             return self._binary(node)
         if isinstance(node, ast.Call):
             return self._call(node)
+        if isinstance(node, ast.Index):
+            return self._index(node)
         raise AssertionError(f"unhandled AST node {node!r}")
 
     def _name(self, node: ast.Name) -> ir.Expr | None:
         if node.name in ir.INDEX_VARS:
             return ir.Var(Type.INT, node.name, ir.VarKind.INDEX)
+        if node.name in ir.SIZE_VARS:
+            return ir.Var(Type.INT, node.name, ir.VarKind.SIZE)
         if node.name == "score":
             if not self.scope.allow_score:
                 self.error("a mask cannot read `score`", node, "masks depend on positions and params only")
@@ -135,7 +144,12 @@ class _Checker:
             return ir.Var(Type.FLOAT, "score", ir.VarKind.SCORE)
         if node.name in self.scope.params:
             return ir.Var(self.scope.params[node.name], node.name, ir.VarKind.PARAM)
-        known = [*ir.INDEX_VARS, *(["score"] if self.scope.allow_score else []), *self.scope.params]
+        if node.name in self.scope.tensors:
+            example = _INDEX_EXAMPLES[self.scope.tensors[node.name][1]]
+            self.error(f"`{node.name}` is a tensor: read one element", node, f"e.g. {node.name}[{example}]")
+            return None
+        known = [*ir.INDEX_VARS, *ir.SIZE_VARS, *(["score"] if self.scope.allow_score else []), *self.scope.params]
+        known += self.scope.tensors
         self.error(
             f"unknown name `{node.name}`", node, f"known names: {', '.join(known)}; declare runtime values in [params]"
         )
@@ -173,6 +187,25 @@ class _Checker:
         if op in ("+", "-", "*"):
             return ir.Arith(common, op, lhs, rhs)
         return ir.Compare(Type.BOOL, op, lhs, rhs)
+
+    def _index(self, node: ast.Index) -> ir.Expr | None:
+        if node.name not in self.scope.tensors:
+            what = "a scalar param" if node.name in self.scope.params else "not a tensor param"
+            self.error(
+                f"`{node.name}` is {what}: it cannot be indexed", node, 'declare e.g. t = "float[heads]" in [params]'
+            )
+            return None
+        elem, rank = self.scope.tensors[node.name]
+        if len(node.args) != rank:
+            self.error(f"`{node.name}` has {rank} axes, indexed with {len(node.args)}", node)
+            return None
+        indices = [self.check(a) for a in node.args]
+        if None in indices:
+            return None
+        for index, a_node in zip(indices, node.args):
+            if index.type is not Type.INT:
+                return self._mismatch("an index", "an int", index, a_node)
+        return ir.Load(elem, node.name, tuple(indices))
 
     def _call(self, node: ast.Call) -> ir.Expr | None:
         args = [self.check(a) for a in node.args]
@@ -283,6 +316,7 @@ def _sympy_symbols(scope: Scope) -> dict[str, sympy.Symbol]:
     real = {Type.INT: {"integer": True}, Type.FLOAT: {"real": True}}
     return {
         **{n: sympy.Symbol(n, integer=True, nonnegative=True) for n in ir.INDEX_VARS},
+        **{n: sympy.Symbol(n, integer=True, positive=True) for n in ir.SIZE_VARS},
         "score": sympy.Symbol("score", real=True),
         **{n: sympy.Symbol(n, **real[t]) for n, t in scope.params.items()},
     }

@@ -20,11 +20,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 HEAD_DIM = 128
+HEAD_DIM_V = 128  # v's and the output's
 DTYPE = jnp.bfloat16
 PARAMS = {"prefix": int}
 BLOCK_Q = 512
 BLOCK_KV = 512
 VMEM_LIMIT_BYTES = None  # None: Mosaic's default
+NUM_SCALAR_PREFETCH = 2  # int params, float params
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # dot_general dims for a.T @ b
 
@@ -58,7 +60,7 @@ def _visible(q_idx, kv_idx, b, h, q_len, kv_len, param_prefix):
     return ((kv_idx < param_prefix) | (q_idx >= kv_idx)) & (q_idx < q_len) & (kv_idx < kv_len)
 
 
-def _logits(qk, q_idx, kv_idx, b, h, scale, param_prefix):
+def _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_prefix):
     """Logits from q.k, through the score expression."""
     score = qk * scale
     return score
@@ -94,9 +96,9 @@ def _fwd_kernel(int_ref, float_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scrat
         acc_scratch[...] = jnp.zeros(acc_scratch.shape, jnp.float32)
 
     def attend(masked):
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]  # [BLOCK_Q | BLOCK_KV, head_dim]
+        q, k, v = q_ref[...], k_ref[...], v_ref[...]  # [BLOCK_Q | BLOCK_KV, head_dim (v: head_dim_v)]
         q_idx, kv_idx = _positions(q_block, kv_block)
-        s = _logits(lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32), q_idx, kv_idx, b, h, scale, *params)
+        s = _logits(lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32), q_idx, kv_idx, b, h, q_len, kv_len, scale, *params)
         if masked:
             s = jnp.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, *params), s, -jnp.inf)
             if kv_len % BLOCK_KV:
@@ -147,7 +149,7 @@ def _dq_kernel(int_ref, float_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
             v = _rows_within(v, kv_block, BLOCK_KV, kv_len)
         q_idx, kv_idx = _positions(q_block, kv_block)
         qk = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
-        p = jnp.exp(_logits(qk, q_idx, kv_idx, b, h, scale, *params) - lse)
+        p = jnp.exp(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, *params) - lse)
         if masked:
             p = jnp.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, *params), p, 0.0)
         dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
@@ -182,7 +184,7 @@ def _dkdv_kernel(
             q, do, lse, delta = (_rows_within(x, q_block, BLOCK_Q, q_len) for x in (q, do, lse, delta))
         q_idx, kv_idx = _positions(q_block, kv_block)
         qk = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
-        p = jnp.exp(_logits(qk, q_idx, kv_idx, b, h, scale, *params) - lse)
+        p = jnp.exp(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, *params) - lse)
         if masked:
             p = jnp.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, *params), p, 0.0)
         dv_scratch[...] += lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=jnp.float32)
@@ -204,43 +206,48 @@ def _query_head_and_block(h_kv, step, group, q_len):
     return h_kv * group + step // num_q_blocks, step % num_q_blocks
 
 
-def _specs(q_len, kv_len, head_dim, group):
-    """BlockSpecs of the q-side and kv-side arrays, for grids whose 3rd axis walks q blocks
+def _specs(q_len, kv_len, head_dim, head_dim_v, group):
+    """BlockSpecs of the q-side and kv-side arrays (v, out and dout: head_dim_v wide), for grids whose 3rd axis walks q blocks
     (forward, dQ: by_q) or kv blocks (dK/dV: by_kv). Query head h reads kv head h // group (GQA).
     EMPTY tiles repeat a block already fetched, so the pipeline issues no DMA for them."""
     num_q_blocks, num_kv_blocks = pl.cdiv(q_len, BLOCK_Q), pl.cdiv(kv_len, BLOCK_KV)
 
-    def q_rows(b, h, q_block, kv_block, int_ref, float_ref):
-        return b, h, q_block, 0
-
-    def kv_cols(b, h, q_block, kv_block, int_ref, float_ref):
+    def tile_by_q(b, h, q_block, kv_block, int_ref, float_ref):
+        """(b, h, q block, kv block) of the score tile a forward or dQ step reads."""
         kv_lo, kv_hi, _, _ = _tile_bounds(q_block, b, h, q_len, kv_len, int_ref[0])
-        return b, h // group, jnp.clip(jnp.maximum(jnp.minimum(kv_block, kv_hi - 1), kv_lo), 0, num_kv_blocks - 1), 0
+        return b, h, q_block, jnp.clip(jnp.maximum(jnp.minimum(kv_block, kv_hi - 1), kv_lo), 0, num_kv_blocks - 1)
 
-    def kv_rows(b, h_kv, kv_block, step, int_ref, float_ref):
-        return b, h_kv, kv_block, 0
-
-    def q_cols(b, h_kv, kv_block, step, int_ref, float_ref):
+    def tile_by_kv(b, h_kv, kv_block, step, int_ref, float_ref):
+        """(b, h, q block, kv block) of the score tile a dK/dV step reads."""
         h, q_block = _query_head_and_block(h_kv, step, group, q_len)
         q_lo, q_hi, _, _ = _key_tile_bounds(kv_block, b, h, q_len, kv_len, int_ref[0])
-        return b, h, jnp.clip(jnp.maximum(jnp.minimum(q_block, q_hi - 1), q_lo), 0, num_q_blocks - 1), 0
+        return b, h, jnp.clip(jnp.maximum(jnp.minimum(q_block, q_hi - 1), q_lo), 0, num_q_blocks - 1), kv_block
 
-    def spec(rows, index_map):
-        return pl.BlockSpec((None, None, rows, head_dim), index_map)
+    def specs(tile):
+        def q_rows(*grid_and_refs):
+            b, h, q_block, _ = tile(*grid_and_refs)
+            return b, h, q_block, 0
 
-    def stat(index_map):  # [BLOCK_Q, 1] per-row statistics (lse, delta)
-        return pl.BlockSpec((None, None, BLOCK_Q, 1), index_map)
+        def kv_rows(*grid_and_refs):
+            b, h, _, kv_block = tile(*grid_and_refs)
+            return b, h // group, kv_block, 0
 
-    by_q = dict(q=spec(BLOCK_Q, q_rows), kv=spec(BLOCK_KV, kv_cols), stat=stat(q_rows))
-    by_kv = dict(q=spec(BLOCK_Q, q_cols), kv=spec(BLOCK_KV, kv_rows), stat=stat(q_cols))
-    return by_q, by_kv
+        return dict(
+            q=pl.BlockSpec((None, None, BLOCK_Q, head_dim), q_rows),
+            kv=pl.BlockSpec((None, None, BLOCK_KV, head_dim), kv_rows),
+            v=pl.BlockSpec((None, None, BLOCK_KV, head_dim_v), kv_rows),
+            o=pl.BlockSpec((None, None, BLOCK_Q, head_dim_v), q_rows),
+            stat=pl.BlockSpec((None, None, BLOCK_Q, 1), q_rows),  # [BLOCK_Q, 1] per-row statistics (lse, delta)
+        )
+
+    return specs(tile_by_q), specs(tile_by_kv)
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, **static):
     return pl.pallas_call(
         functools.partial(kernel, **static),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
+            num_scalar_prefetch=NUM_SCALAR_PREFETCH, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
@@ -251,42 +258,45 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, **st
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _forward(q, k, v, int_params, float_params, interpret):
+def _forward(q, k, v, prefetch, gathered, interpret):
     batch, heads, q_len, head_dim = q.shape
-    kv_len = k.shape[2]
-    by_q, _ = _specs(q_len, kv_len, head_dim, heads // k.shape[1])
+    kv_len, head_dim_v = k.shape[2], v.shape[3]
+    by_q, _ = _specs(q_len, kv_len, head_dim, head_dim_v, heads // k.shape[1])
     out, lse = _call(
         _fwd_kernel,
         grid=(batch, heads, pl.cdiv(q_len, BLOCK_Q), pl.cdiv(kv_len, BLOCK_KV)),
-        in_specs=[by_q["q"], by_q["kv"], by_q["kv"]],
-        out_specs=[by_q["q"], by_q["stat"]],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_len, 1), jnp.float32)],
+        in_specs=[by_q["q"], by_q["kv"], by_q["v"]],
+        out_specs=[by_q["o"], by_q["stat"]],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, heads, q_len, head_dim_v), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, q_len, 1), jnp.float32),
+        ],
         scratch=[
             pltpu.VMEM((BLOCK_Q, 1), jnp.float32),  # m: running row max
             pltpu.VMEM((BLOCK_Q, 1), jnp.float32),  # l: running row sum
-            pltpu.VMEM((BLOCK_Q, head_dim), jnp.float32),  # acc: unnormalised output
+            pltpu.VMEM((BLOCK_Q, head_dim_v), jnp.float32),  # acc: unnormalised output
         ],
         interpret=interpret,
         q_len=q_len,
         kv_len=kv_len,
-    )(int_params, float_params, q, k, v)
+    )(*prefetch, q, k, v, *gathered)
     return out, lse[..., 0]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _backward(dout, dlse, q, k, v, out, lse, int_params, float_params, interpret):
+def _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret):
     batch, heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    kv_heads, kv_len, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     group = heads // kv_heads
-    by_q, by_kv = _specs(q_len, kv_len, head_dim, group)
+    by_q, by_kv = _specs(q_len, kv_len, head_dim, head_dim_v, group)
     # delta = rowsum(dO * O) - dLSE: the softmax-backward term, with the LSE's own gradient.
     delta = (jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1) - dlse)[..., None]
     lse = lse[..., None]
-    operands = (int_params, float_params, q, k, v, dout, lse, delta)
+    operands = (*prefetch, q, k, v, *gathered, dout, lse, delta)
     (dq,) = _call(
         _dq_kernel,
         grid=(batch, heads, pl.cdiv(q_len, BLOCK_Q), pl.cdiv(kv_len, BLOCK_KV)),
-        in_specs=[by_q["q"], by_q["kv"], by_q["kv"], by_q["q"], by_q["stat"], by_q["stat"]],
+        in_specs=[by_q["q"], by_q["kv"], by_q["v"], by_q["o"], by_q["stat"], by_q["stat"]],
         out_specs=[by_q["q"]],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
         scratch=[pltpu.VMEM((BLOCK_Q, head_dim), jnp.float32)],
@@ -297,10 +307,10 @@ def _backward(dout, dlse, q, k, v, out, lse, int_params, float_params, interpret
     dk, dv = _call(
         _dkdv_kernel,
         grid=(batch, kv_heads, pl.cdiv(kv_len, BLOCK_KV), group * pl.cdiv(q_len, BLOCK_Q)),
-        in_specs=[by_kv["q"], by_kv["kv"], by_kv["kv"], by_kv["q"], by_kv["stat"], by_kv["stat"]],
-        out_specs=[by_kv["kv"], by_kv["kv"]],
+        in_specs=[by_kv["q"], by_kv["kv"], by_kv["v"], by_kv["o"], by_kv["stat"], by_kv["stat"]],
+        out_specs=[by_kv["kv"], by_kv["v"]],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        scratch=[pltpu.VMEM((BLOCK_KV, head_dim), jnp.float32)] * 2,
+        scratch=[pltpu.VMEM((BLOCK_KV, head_dim), jnp.float32), pltpu.VMEM((BLOCK_KV, head_dim_v), jnp.float32)],
         interpret=interpret,
         q_len=q_len,
         kv_len=kv_len,
@@ -310,20 +320,20 @@ def _backward(dout, dlse, q, k, v, out, lse, int_params, float_params, interpret
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, int_params, float_params, interpret):
-    return _forward(q, k, v, int_params, float_params, interpret)
+def _attention(q, k, v, prefetch, gathered, interpret):
+    return _forward(q, k, v, prefetch, gathered, interpret)
 
 
-def _attention_fwd(q, k, v, int_params, float_params, interpret):
-    out, lse = _forward(q, k, v, int_params, float_params, interpret)
-    return (out, lse), (q, k, v, int_params, float_params, out, lse)
+def _attention_fwd(q, k, v, prefetch, gathered, interpret):
+    out, lse = _forward(q, k, v, prefetch, gathered, interpret)
+    return (out, lse), (q, k, v, prefetch, gathered, out, lse)
 
 
 def _attention_bwd(interpret, residuals, cotangents):
-    q, k, v, int_params, float_params, out, lse = residuals
+    q, k, v, prefetch, gathered, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, int_params, float_params, interpret)
-    return dq, dk, dv, None, None  # params and scale get no gradient
+    dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
+    return dq, dk, dv, (None,) * len(prefetch), (None,) * len(gathered)  # params and scale get no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -334,28 +344,31 @@ def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, **param
 
     Args:
         q: [batch, heads, q_len, 128] jnp.bfloat16.
-        k, v: [batch, kv_heads, kv_len, 128], same dtype; kv_heads divides heads (GQA/MQA:
+        k: [batch, kv_heads, kv_len, 128], same dtype; kv_heads divides heads (GQA/MQA:
             query head h reads kv head h // (heads // kv_heads), without copies).
+        v: [batch, kv_heads, kv_len, 128], same dtype.
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, q_len] float32.
         interpret: passed to pallas_call: True, or pltpu.InterpretParams(...) to run on CPU.
         prefix (int): runtime parameter of the spec.
 
     Returns:
-        out, shaped like q (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
+        out, [batch, heads, q_len, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
         Differentiable in q, k and v (and through lse); params and scale get no gradient.
     """
-    int_values, float_values = _check_params(params)
     _check_inputs(q, k, v)
+    int_values, float_values = _check_params(params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     int_params = jnp.array([*int_values, 0], jnp.int32)  # never empty: SMEM needs a shape
     float_params = jnp.array([scale, *float_values], jnp.float32)
+    prefetch = (int_params, float_params)
     if q.size == 0 or k.shape[2] == 0:
-        out = jnp.zeros(q.shape, q.dtype)
+        out = jnp.zeros((*q.shape[:3], HEAD_DIM_V), q.dtype)
         lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
     else:
-        out, lse = _attention(q, k, v, int_params, float_params, interpret)
+        gathered = ()
+        out, lse = _attention(q, k, v, prefetch, gathered, interpret)
     return (out, lse) if return_lse else out
 
 
@@ -376,10 +389,11 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _check_params(params):
-    missing = [name for name in PARAMS if name not in params]
-    unknown = [name for name in params if name not in PARAMS]
+    names = [*PARAMS]
+    missing = [name for name in names if name not in params]
+    unknown = [name for name in params if name not in names]
     if missing or unknown:
-        raise TypeError(f"attention() of spec prefix_lm takes params {list(PARAMS)}; missing {missing}, unknown {unknown}")
+        raise TypeError(f"attention() of spec prefix_lm takes params {names}; missing {missing}, unknown {unknown}")
     int_values = [params[name] for name, kind in PARAMS.items() if kind is int]
     float_values = [params[name] for name, kind in PARAMS.items() if kind is float]
     return int_values, float_values
@@ -391,9 +405,10 @@ def _check_inputs(q, k, v):
             raise ValueError(f"{name} must be a 4-D array [batch, heads, seq, head_dim]")
         if t.dtype != DTYPE:
             raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {jnp.dtype(DTYPE)} (the spec's dtype)")
-        if t.shape[-1] != HEAD_DIM:
-            raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {HEAD_DIM}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        head_dim = HEAD_DIM_V if name == "v" else HEAD_DIM
+        if t.shape[-1] != head_dim:
+            raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {head_dim}")
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape} (k and v alike; same batch; kv heads dividing q heads)"
         )

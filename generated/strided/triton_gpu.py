@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 128 keys; some tiles cannot be bounded at compile time: they run the mask
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: it calls the
-custom op torch.ops.attngen.strided_d446e43875cc_fwd, whose backward is ..._bwd.
+custom op torch.ops.attngen.strided_ef41209a8684_fwd, whose backward is ..._bwd.
 """
 
 import math
@@ -19,9 +19,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 HEAD_DIM = 128
+HEAD_DIM_V = 128  # v's and the output's
 DTYPE = torch.bfloat16
 PARAMS = {"stride": int}
+DIVISORS = ("stride",)  # params the expressions divide by: positive
 BLOCK_D = 128  # head_dim padded to a power of two
+BLOCK_DV = 128  # head_dim_v padded to a power of two
 # Forward: queries per program, keys per step.
 BLOCK_M = 128
 BLOCK_N = 128
@@ -60,7 +63,7 @@ def _visible(q_idx, kv_idx, b, h, q_len, kv_len, param_stride):
 
 
 @triton.jit
-def _logits(qk, q_idx, kv_idx, b, h, scale, param_stride):
+def _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_stride):
     """Base-2 logits (the softmax runs in exp2) from q.k, through the score expression."""
     return qk * (scale * 1.4426950408889634)  # scale and log2(e) folded into one multiply
 
@@ -69,9 +72,9 @@ def _logits(qk, q_idx, kv_idx, b, h, scale, param_stride):
 def _fwd_kv_blocks(
     acc, l_i, m_i, q, k_desc, v_desc, b, h, h_kv,
     block_lo, block_hi, q_idx, q_len, kv_len, scale, param_stride,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Online softmax over kv blocks [block_lo, block_hi); MASKED runs the mask (PARTIAL tiles)."""
+    """Online softmax over a run of kv blocks; MASKED runs the mask (PARTIAL tiles)."""
     offs_n = tl.arange(0, BLOCK_N)
     qk_scale = scale * 1.4426950408889634  # >= 0: the caller flipped q's sign for a negative scale
     for block in range(block_lo, block_hi):
@@ -91,7 +94,7 @@ def _fwd_kv_blocks(
             p = tl.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_D])
+        v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_DV])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
@@ -101,7 +104,7 @@ def _fwd_kv_blocks(
 def _attention_fwd(
     q_desc, k_desc, v_desc, o_desc, LSE,
     num_heads, q_len, kv_len, scale, param_stride,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Heaviest q blocks first (under a causal mask the last ones see the most keys): the tail
     # of the launch is then made of short programs.
@@ -129,26 +132,26 @@ def _attention_fwd(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, l_i, m_i = _fwd_kv_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, b, h, h // GROUP,
         kv_lo, full_lo, q_idx, q_len, kv_len, scale, param_stride,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
     )
     acc, l_i, m_i = _fwd_kv_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, b, h, h // GROUP,
         full_lo, full_hi, q_idx, q_len, kv_len, scale, param_stride,
-        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
     )
     acc, l_i, m_i = _fwd_kv_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, b, h, h // GROUP,
         full_hi, kv_hi, q_idx, q_len, kv_len, scale, param_stride,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
     )
 
     # A row with no visible key has l = 0 and acc = 0: its output is 0 and its LSE -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_desc.store([b, h, q_first, 0], out.to(o_desc.dtype).reshape([1, 1, BLOCK_M, BLOCK_D]))
+    o_desc.store([b, h, q_first, 0], out.to(o_desc.dtype).reshape([1, 1, BLOCK_M, BLOCK_DV]))
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)
     tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
 
@@ -157,9 +160,9 @@ def _attention_fwd(
 def _dkdv_q_blocks(
     dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
     block_lo, block_hi, kv_idx, q_len, kv_len, scale, param_stride,
-    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """dK and dV contributions of q blocks [block_lo, block_hi), recomputing P from the LSE.
+    """dK and dV contributions of a run of q blocks, recomputing P from the LSE.
 
     Works on transposed tiles ([keys, queries]) so that P^T and dS^T come straight out of the
     dot products as the left operands of dV += P^T dO and dK += dS^T Q.
@@ -169,7 +172,7 @@ def _dkdv_q_blocks(
         offs_m = start + tl.arange(0, BLOCK_M)
         q_idx = offs_m[None, :]
         q = q_desc.load([b, h, start, 0]).reshape([BLOCK_M, BLOCK_D])
-        do = do_desc.load([b, h, start, 0]).reshape([BLOCK_M, BLOCK_D])
+        do = do_desc.load([b, h, start, 0]).reshape([BLOCK_M, BLOCK_DV])
         if MASKED:
             lse = tl.load(lse_row + offs_m, mask=offs_m < q_len, other=0.0)
             delta = tl.load(delta_row + offs_m, mask=offs_m < q_len, other=0.0)
@@ -177,7 +180,7 @@ def _dkdv_q_blocks(
             lse = tl.load(lse_row + offs_m)
             delta = tl.load(delta_row + offs_m)
         qk = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M], fp32
-        p = tl.exp2(_logits(qk, q_idx, kv_idx, b, h, scale, param_stride) - lse[None, :] * 1.4426950408889634)
+        p = tl.exp2(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_stride) - lse[None, :] * 1.4426950408889634)
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_stride), p, 0.0)
         dv = tl.dot(p.to(do.dtype), do, dv)
@@ -191,7 +194,7 @@ def _dkdv_q_blocks(
 def _attention_bwd_dkdv(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dk_desc, dv_desc,
     num_heads, q_len, kv_len, scale, param_stride,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     kv_block = tl.program_id(0)
     bh_kv = tl.program_id(1)  # over batch * kv heads: each kv head serves GROUP query heads
@@ -202,10 +205,10 @@ def _attention_bwd_dkdv(
 
     kv_idx = (kv_first + tl.arange(0, BLOCK_N))[:, None]
     k = k_desc.load([b, h_kv, kv_first, 0]).reshape([BLOCK_N, BLOCK_D])
-    v = v_desc.load([b, h_kv, kv_first, 0]).reshape([BLOCK_N, BLOCK_D])
+    v = v_desc.load([b, h_kv, kv_first, 0]).reshape([BLOCK_N, BLOCK_DV])
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(GROUP):  # a constant trip count: one iteration folds away without GQA
         h = h_kv * GROUP + g
         # The same tile analysis, transposed: q blocks outside [q_lo, q_hi) see none of these keys;
@@ -213,44 +216,44 @@ def _attention_bwd_dkdv(
         q_lo = kv_first // 64
         q_hi = (q_len + 63) // 64
         q_full_lo = tl.minimum(q_hi, tl.maximum(q_lo, (kv_last + 63) // 64))
-        q_full_hi = tl.minimum(q_hi, tl.maximum(q_full_lo, tl.minimum(q_len, tl.maximum(0, kv_first + param_stride)) // 64))
+        q_full_hi = tl.minimum(q_hi, tl.maximum(q_full_lo, floordiv(tl.minimum(q_len, kv_first + param_stride), 64)))
         row = (b * num_heads + h).to(tl.int64) * q_len  # this head's first entry of LSE and delta
         lse_row, delta_row = LSE + row, DELTA + row
         dk, dv = _dkdv_q_blocks(
             dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
             q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_stride,
-            MASKED=True, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+            MASKED=True, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         )
         dk, dv = _dkdv_q_blocks(
             dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
             q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, param_stride,
-            MASKED=False, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+            MASKED=False, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         )
         dk, dv = _dkdv_q_blocks(
             dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
             q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, param_stride,
-            MASKED=True, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+            MASKED=True, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         )
 
     dk_desc.store([b, h_kv, kv_first, 0], (dk * scale).to(dk_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_D]))
-    dv_desc.store([b, h_kv, kv_first, 0], dv.to(dv_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_D]))
+    dv_desc.store([b, h_kv, kv_first, 0], dv.to(dv_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_DV]))
 
 
 @triton.jit
 def _dq_kv_blocks(
     dq, q, do, lse, delta, k_desc, v_desc, b, h, h_kv,
     block_lo, block_hi, q_idx, q_len, kv_len, scale, param_stride,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """dQ contributions of kv blocks [block_lo, block_hi), recomputing P from the LSE."""
+    """dQ contributions of a run of kv blocks, recomputing P from the LSE."""
     offs_n = tl.arange(0, BLOCK_N)
     for block in range(block_lo, block_hi):
         start = block * BLOCK_N
         kv_idx = (start + offs_n)[None, :]
         k = k_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_D])
-        v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_D])
+        v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_DV])
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32
-        p = tl.exp2(_logits(qk, q_idx, kv_idx, b, h, scale, param_stride) - lse[:, None] * 1.4426950408889634)
+        p = tl.exp2(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_stride) - lse[:, None] * 1.4426950408889634)
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_stride), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
@@ -263,7 +266,7 @@ def _dq_kv_blocks(
 def _attention_bwd_dq(
     q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc,
     num_heads, q_len, kv_len, scale, param_stride,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest first, as in the forward
     bh = tl.program_id(1)
@@ -281,12 +284,12 @@ def _attention_bwd_dq(
     offs_m = q_first + tl.arange(0, BLOCK_M)
     q_idx = offs_m[:, None]
     q = q_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_D])
-    do = do_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_D])
+    do = do_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_DV])
     rows = bh.to(tl.int64) * q_len + offs_m
     lse = tl.load(LSE + rows, mask=offs_m < q_len, other=0.0)
     # delta = rowsum(dO * O) - dLSE, the softmax-backward term with the LSE's own gradient; stored
     # for the dK/dV kernel, which runs after this one.
-    o = o_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_D])
+    o = o_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_DV])
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - tl.load(DLSE + rows, mask=offs_m < q_len, other=0.0)
     tl.store(DELTA + rows, delta, mask=offs_m < q_len)
 
@@ -294,24 +297,24 @@ def _attention_bwd_dq(
     dq = _dq_kv_blocks(
         dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
         kv_lo, full_lo, q_idx, q_len, kv_len, scale, param_stride,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
     )
     dq = _dq_kv_blocks(
         dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
         full_lo, full_hi, q_idx, q_len, kv_len, scale, param_stride,
-        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
     )
     dq = _dq_kv_blocks(
         dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
         full_hi, kv_hi, q_idx, q_len, kv_len, scale, param_stride,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
     )
 
     dq_desc.store([b, h, q_first, 0], (dq * scale).to(dq_desc.dtype).reshape([1, 1, BLOCK_M, BLOCK_D]))
 
 
-def _descriptor(t, rows):
-    """A tensor descriptor over [batch, heads, seq, head_dim] moving [rows, BLOCK_D] tiles.
+def _descriptor(t, rows, width=BLOCK_D):
+    """A tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width] tiles.
 
     The hardware (TMA) needs a 16-byte aligned base and strides; inputs in other layouts are
     copied once. Outputs are allocated contiguous here, and head_dim * itemsize is a multiple of
@@ -320,23 +323,23 @@ def _descriptor(t, rows):
     size = t.element_size()
     if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
         t = t.clone(memory_format=torch.contiguous_format)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, BLOCK_D])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width])
 
 
 def _forward(q, k, v, scale, params):
     """(out, lse) for q [B, H, Lq, D], k, v [B, H_kv, Lk, D]; lse float32 [B, H, Lq]."""
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty((batch, heads, q_len, HEAD_DIM_V))
     lse = torch.empty((batch, heads, q_len), device=q.device, dtype=torch.float32)
     if kv_len == 0:  # no key at all: every row is empty (and a descriptor cannot span 0 rows)
         return out.zero_(), lse.fill_(float("-inf"))
     if out.numel() > 0:
         grid = (triton.cdiv(q_len, BLOCK_M), batch * heads)
         _attention_fwd[grid](
-            _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M), lse,
+            _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N, BLOCK_DV), _descriptor(out, BLOCK_M, BLOCK_DV), lse,
             heads, q_len, kv_len, scale, *params, GROUP=group,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )
     return out, lse
 
@@ -351,18 +354,18 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         return dq.zero_(), dk.zero_(), dv.zero_()
     grid = (triton.cdiv(q_len, DQ_BLOCK_M), batch * heads)
     _attention_bwd_dq[grid](
-        _descriptor(q, DQ_BLOCK_M), _descriptor(k, DQ_BLOCK_N), _descriptor(v, DQ_BLOCK_N),
-        _descriptor(out, DQ_BLOCK_M), _descriptor(dout, DQ_BLOCK_M), lse, dlse.float().contiguous(), delta,
+        _descriptor(q, DQ_BLOCK_M), _descriptor(k, DQ_BLOCK_N), _descriptor(v, DQ_BLOCK_N, BLOCK_DV),
+        _descriptor(out, DQ_BLOCK_M, BLOCK_DV), _descriptor(dout, DQ_BLOCK_M, BLOCK_DV), lse, dlse.float().contiguous(), delta,
         _descriptor(dq, DQ_BLOCK_M),
         heads, q_len, kv_len, scale, *params, GROUP=group,
-        BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, BLOCK_D=BLOCK_D, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
+        BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
     )
     grid = (triton.cdiv(kv_len, DKDV_BLOCK_N), batch * (heads // group))
     _attention_bwd_dkdv[grid](
-        _descriptor(q, DKDV_BLOCK_M), _descriptor(k, DKDV_BLOCK_N), _descriptor(v, DKDV_BLOCK_N),
-        _descriptor(dout, DKDV_BLOCK_M), lse, delta, _descriptor(dk, DKDV_BLOCK_N), _descriptor(dv, DKDV_BLOCK_N),
+        _descriptor(q, DKDV_BLOCK_M), _descriptor(k, DKDV_BLOCK_N), _descriptor(v, DKDV_BLOCK_N, BLOCK_DV),
+        _descriptor(dout, DKDV_BLOCK_M, BLOCK_DV), lse, delta, _descriptor(dk, DKDV_BLOCK_N), _descriptor(dv, DKDV_BLOCK_N, BLOCK_DV),
         heads, q_len, kv_len, scale, *params, GROUP=group,
-        BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, BLOCK_D=BLOCK_D, num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
+        BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
     )
     return dq, dk, dv
 
@@ -370,7 +373,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are contiguous whatever the inputs' layout, in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "strided_d446e43875cc"
+_OP = "strided_ef41209a8684"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -379,7 +382,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @_fwd_op.register_fake
     def _fwd_fake(q, k, v, scale, param_stride):
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return q.new_empty((*q.shape[:3], HEAD_DIM_V)), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.custom_op(f"attngen::{_OP}_bwd", mutates_args=())
     def _bwd_op(
@@ -401,7 +404,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = torch.ops.attngen.strided_d446e43875cc_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.strided_ef41209a8684_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -412,21 +415,22 @@ def attention(q, k, v, *, scale=None, return_lse=False, **params):
 
     Args:
         q: [batch, heads, q_len, 128] torch.bfloat16 on a GPU.
-        k, v: [batch, kv_heads, kv_len, 128], same dtype and device; kv_heads divides
-            heads (GQA/MQA: query head h reads kv head h // (heads // kv_heads), without copies).
+        k: [batch, kv_heads, kv_len, 128], same dtype and device; kv_heads divides heads (GQA/MQA:
+            query head h reads kv head h // (heads // kv_heads), without copies).
+        v: [batch, kv_heads, kv_len, 128], same dtype and device.
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, q_len] float32.
         stride (int): runtime parameter of the spec.
 
     Returns:
-        out, shaped like q (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
+        out, [batch, heads, q_len, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
         Differentiable in q, k and v (and through lse); params and scale get no gradient.
     """
-    values = _check_params(params)
     _check_inputs(q, k, v)
+    values = _check_params(params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    out, lse = torch.ops.attngen.strided_d446e43875cc_fwd(q, k, v, float(scale), *values)
+    out, lse = torch.ops.attngen.strided_ef41209a8684_fwd(q, k, v, float(scale), *values)
     return (out, lse) if return_lse else out
 
 
@@ -445,10 +449,11 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _check_params(params):
-    missing = [name for name in PARAMS if name not in params]
-    unknown = [name for name in params if name not in PARAMS]
+    names = [*PARAMS]
+    missing = [name for name in names if name not in params]
+    unknown = [name for name in params if name not in names]
     if missing or unknown:
-        raise TypeError(f"attention() of spec strided takes params {list(PARAMS)}; missing {missing}, unknown {unknown}")
+        raise TypeError(f"attention() of spec strided takes params {names}; missing {missing}, unknown {unknown}")
     values = []
     for name, kind in PARAMS.items():
         value = params[name]
@@ -458,6 +463,8 @@ def _check_params(params):
             raise TypeError(f"param {name} must be a float, got {value!r}")
         if kind is int and not -(2**31) <= value < 2**31:
             raise ValueError(f"param {name} must fit in int32, got {value}")
+        if name in DIVISORS and value <= 0:
+            raise ValueError(f"param {name} divides in the spec's expressions: it must be positive, got {value}")
         values.append(kind(value))
     return values
 
@@ -468,11 +475,12 @@ def _check_inputs(q, k, v):
             raise ValueError(f"{name} must be a 4-D torch tensor [batch, heads, seq, head_dim]")
         if t.dtype != DTYPE:
             raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
-        if t.shape[-1] != HEAD_DIM:
-            raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {HEAD_DIM}")
+        head_dim = HEAD_DIM_V if name == "v" else HEAD_DIM
+        if t.shape[-1] != head_dim:
+            raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {head_dim}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
             " (k and v alike; same batch; kv heads dividing q heads)"
