@@ -11,7 +11,7 @@ time forward and forward+backward of ours and SDPA (triton.testing.do_bench, med
 torch._dynamo.explain for a transformer block calling the op. Prints a table last; writes JSON
 to $OUT.
 
-    python bench/h200_exactness.py [--batch 2 --heads 8 --seq 4096]
+    python bench/h200_exactness.py [--batch 2 --heads 8 --seq 4096] [--specs causal,document]
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ def visible_mask(spec, B, H, N, params, device):
     return evaluate(spec.mask, {**positions(B, H, N, N, torch, device=device), **params}, torch).expand(B, H, N, N)
 
 
-def same_precision_peer(spec, visible):
-    """(name, fn(q, k, v) -> out) for the framework implementation in the kernel's dtype."""
+def same_precision_peer(spec, visible, grouped: bool):
+    """(name, fn(q, k, v) -> out) for the framework implementation in the kernel's dtype (grouped:
+    k and v have fewer heads than q)."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if spec.score is not None:
+    if spec.score is not None or grouped:
         return "reference in dtype", lambda q, k, v, **params: attention_ref_torch(
             spec, q, k, v, dtype=q.dtype, **params
         )[0]
@@ -100,7 +101,10 @@ def check(spec, build_dir: Path, args, device) -> dict:
         for name, value in example_params(spec.name, B, H, N, N, seed=int.from_bytes(os.urandom(4), "little")).items()
     }
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
-    q, k, v, dout = (torch.randn(B, H, N, D, device=device, dtype=getattr(torch, dtype)) for _ in range(4))
+    Dv = spec.value_dim  # v's and the output's head dim
+    Hkv = args.kv_heads or H  # fewer: grouped-query attention
+    shapes = ((B, H, N, D), (B, Hkv, N, D), (B, Hkv, N, Dv), (B, H, N, Dv))
+    q, k, v, dout = (torch.randn(shape, device=device, dtype=getattr(torch, dtype)) for shape in shapes)
     dlse = torch.randn(B, H, N, device=device)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = module.attention(*leaves, return_lse=True, **params)
@@ -119,7 +123,7 @@ def check(spec, build_dir: Path, args, device) -> dict:
     }
 
     visible = visible_mask(spec, B, H, N, params, device)
-    peer_name, peer = same_precision_peer(spec, visible)
+    peer_name, peer = same_precision_peer(spec, visible, grouped=Hkv != H)
     peer_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     peer_out = peer(*peer_leaves, **params)
     peer_grads = torch.autograd.grad(peer_out, peer_leaves, dout)
@@ -139,7 +143,7 @@ def check(spec, build_dir: Path, args, device) -> dict:
     exact = exact and errors["lse"] < 1e-3
 
     density = float(visible.float().mean()) if visible is not None else 1.0
-    flops = 4 * B * H * N * N * D * density
+    flops = 2 * B * H * N * N * (D + Dv) * density  # q.k and p.v
 
     def ours_fwd():
         return module.attention(q, k, v, **params)
@@ -161,6 +165,7 @@ def check(spec, build_dir: Path, args, device) -> dict:
         "spec": spec.name,
         "dtype": dtype,
         "shape": [B, H, N, D],
+        "kv_heads": Hkv,
         "params": {name: f"tensor{list(v.shape)}" if isinstance(v, torch.Tensor) else v for name, v in params.items()},
         "mask_density": density,
         "first_call_s": first_call_s,
@@ -184,6 +189,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--specs", help="comma-separated spec names (default: every spec of specs/)")
+    parser.add_argument("--kv-heads", type=int, help="kv heads, dividing --heads (GQA/MQA; default: --heads)")
     args = parser.parse_args()
     out_root = Path(os.environ.get("OUT", tempfile.mkdtemp()))
     build_root = Path(tempfile.mkdtemp(prefix="attngen-gpu-"))
@@ -192,6 +199,8 @@ def main() -> None:
 
     rows = []
     for spec_file in sorted((ROOT / "specs").glob("*.toml")):
+        if args.specs and spec_file.stem not in args.specs.split(","):
+            continue
         base = load_spec(spec_file)
         for dtype in ("float16", "bfloat16"):
             digest = hashlib.sha256(f"{base.sha256}:{dtype}".encode()).hexdigest()
