@@ -157,9 +157,12 @@ def _time_pass(module, w: Workload, kernel: str, seq: int) -> float:
     import torch
     import triton
 
-    shape = (max(1, TOKENS // seq), max(1, 2048 // w.spec.head_dim), seq, w.spec.head_dim)
+    batch, heads = max(1, TOKENS // seq), max(1, 2048 // w.spec.head_dim)
     dtype = getattr(torch, w.spec.dtype)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=kernel != "fwd") for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype, requires_grad=kernel != "fwd")
+        for d in (w.spec.head_dim, w.spec.head_dim, w.spec.value_dim)
+    )
     if kernel == "fwd":
         return triton.testing.do_bench(lambda: module.attention(q, k, v, **w.params))
     out = module.attention(q, k, v, **w.params)
@@ -178,7 +181,8 @@ def check_exact(module, w: Workload, seq: int = 512) -> None:
     dtype = getattr(torch, w.spec.dtype)
     gen = torch.Generator(device="cuda")
     seed = gen.seed()  # fresh inputs for every candidate
-    q, k, v, dout = (torch.randn(1, 2, seq, w.spec.head_dim, device="cuda", generator=gen).to(dtype) for _ in range(4))
+    dims = (w.spec.head_dim, w.spec.head_dim, w.spec.value_dim, w.spec.value_dim)  # q, k, v, dout
+    q, k, v, dout = (torch.randn(1, 2, seq, d, device="cuda", generator=gen).to(dtype) for d in dims)
     try:
         ours = _out_and_grads(lambda *x: module.attention(*x, **w.params), q, k, v, dout)
     except Exception as e:  # a compiler failure (e.g. too much shared memory) rejects the candidate
@@ -224,6 +228,11 @@ def _params(spec: Spec, given: dict[str, str]) -> dict:
     """The spec's params from --param NAME=VALUE strings, typed as the spec declares them."""
     params = {}
     for p in spec.params:
+        if p.is_tensor:
+            raise AttngenError(
+                f"{spec.path}: param {p.name} is a tensor ({p.declared}); attngen tune takes scalar params only:"
+                " tune a spec of the same head_dim and dtype without tensors (the tuned table is shared)"
+            )
         if p.name not in given:
             raise AttngenError(f"{spec.path}: give a value for each param to tune with: --param {p.name}=VALUE")
         try:

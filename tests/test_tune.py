@@ -71,6 +71,8 @@ def test_tune_needs_a_gpu_and_every_param(capsys):
     assert "--param window=VALUE" in capsys.readouterr().err
     assert main(["tune", str(SPECS / "sliding_window.toml"), "--param", "window=wide"]) == 2
     assert "window is declared int" in capsys.readouterr().err
+    assert main(["tune", str(SPECS / "alibi_slopes.toml")]) == 2
+    assert "param slopes is a tensor (float[heads]); attngen tune takes scalar params only" in capsys.readouterr().err
     pytest.importorskip("torch")
     import torch
 
