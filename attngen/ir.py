@@ -204,6 +204,11 @@ def loads(e: Expr) -> tuple[Load, ...]:
     return found
 
 
+def reads_positions(e: Expr) -> bool:
+    """Whether e reads q_idx or kv_idx (directly or in a tensor's indices): it varies inside a tile."""
+    return bool(variables(e) & {"q_idx", "kv_idx"})
+
+
 def divisor_params(e: Expr) -> frozenset[str]:
     """Scalar params that e divides by (the right operand of // or %): they must be positive."""
     own = frozenset()

@@ -188,7 +188,7 @@ def _gathered(exprs: list[ir.Expr]) -> dict[ir.Load, ir.Expr]:
     out: dict[ir.Load, ir.Expr] = {}
     for e in exprs:
         for load in ir.loads(e):
-            if load not in out and ir.variables(load) & {"q_idx", "kv_idx"}:
+            if load not in out and ir.reads_positions(load):
                 out[load] = ir.Var(load.type, f"gathered[{len(out)}]", ir.VarKind.PARAM)
     return out
 
@@ -221,7 +221,7 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
     lower = lambda e: emit(e, backend.dialect, names, shapes)
 
     mask_reads = ir.variables(spec.mask) if spec.mask is not None else frozenset()
-    data_mask = spec.mask is not None and any(ir.variables(x) & {"q_idx", "kv_idx"} for x in ir.loads(spec.mask))
+    data_mask = spec.mask is not None and any(ir.reads_positions(load) for load in ir.loads(spec.mask))
     tile_exprs = [e for e in (spec.mask, spec.score, score_grad) if e is not None]
     gathered = _gathered(tile_exprs) if backend.gathers_position_loads else {}
     names |= {var.name: var.name for var in gathered.values()}
@@ -263,7 +263,7 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         mask=lower(mask) if mask is not None else None,
         score=lower(score) if score is not None else None,
         score_grad=lower(score_grad) if score_grad is not None else None,
-        positions_in_score=spec.score is not None and bool(ir.variables(spec.score) & {"q_idx", "kv_idx"}),
+        positions_in_score=spec.score is not None and ir.reads_positions(spec.score),
         bounds=_bounds_plan(bounds, lower),
         dq_bounds=_bounds_plan(dq_bounds, lower),
         key_bounds=_bounds_plan(key_bounds, lower),
