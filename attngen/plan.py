@@ -206,16 +206,14 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
     """Lower a spec's expressions and tile bounds into `backend`'s language."""
     params = {p.name: p.type for p in spec.params if not p.is_tensor}
     config = spec.triton if backend.name == "triton_gpu" else spec.pallas_tpu
-    bounds = analyse_mask(spec.mask, params, getattr(config, backend.block_kv_key), BY_QUERY_BLOCK)
-    dq_block_kv = getattr(config, backend.dq_block_kv_key)
-    dq_bounds = (
-        bounds
-        if dq_block_kv == getattr(config, backend.block_kv_key)
-        else analyse_mask(spec.mask, params, dq_block_kv, BY_QUERY_BLOCK)
+    blocks = backend.block_names or tuple(
+        getattr(config, key) for key in (backend.block_kv_key, backend.dq_block_kv_key, backend.dkdv_block_q_key)
     )
-    key_bounds = analyse_mask(spec.mask, params, getattr(config, backend.dkdv_block_q_key), BY_KEY_BLOCK)
+    bounds = analyse_mask(spec.mask, params, blocks[0], BY_QUERY_BLOCK)
+    dq_bounds = bounds if blocks[1] == blocks[0] else analyse_mask(spec.mask, params, blocks[1], BY_QUERY_BLOCK)
+    key_bounds = analyse_mask(spec.mask, params, blocks[2], BY_KEY_BLOCK)
     score_grad = score_derivative(spec.score, params) if spec.score is not None else None
-    names = {n: n for n in (*ir.INDEX_VARS, *ir.SIZE_VARS, "score", *TILE_VARS)}
+    names = {n: n for n in (*ir.INDEX_VARS, *ir.SIZE_VARS, "score", *TILE_VARS, *(backend.block_names or ()))}
     names |= {p.name: f"{backend.param_prefix}{p.name}" for p in spec.params}
     shapes = {p.name: p.shape for p in spec.params if p.is_tensor}
     lower = lambda e: emit(e, backend.dialect, names, shapes)

@@ -81,6 +81,13 @@ class TritonConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Forward over short key sequences (kv_len <= short_kv_len): programs that see few keys pay
+    # their prologue and epilogue in full, so smaller tiles that let two programs share an SM win.
+    short_kv_len: int
+    short_block_m: int
+    short_block_n: int
+    short_num_warps: int
+    short_num_stages: int
     # Backward: the dQ kernel holds dq_block_m queries and steps over dq_block_n keys; the dK/dV
     # kernel holds dkdv_block_n keys and steps over dkdv_block_m queries.
     dq_block_m: int
@@ -127,8 +134,19 @@ def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:
     """The spec at another head_dim and dtype, its unpinned [triton] keys re-defaulted (for tools
     that sweep shapes, such as the benchmarks)."""
     pinned = {key: getattr(spec.triton, key) for key in spec.triton_pinned}
-    triton = TritonConfig(**{**default_triton_config(max(head_dim, spec.head_dim_v or 0), dtype), **pinned})
+    triton = triton_config(max(head_dim, spec.head_dim_v or 0), dtype, pinned)
     return replace(spec, head_dim=head_dim, dtype=dtype, triton=triton)
+
+
+def triton_config(head_dim: int, dtype: str, pinned: dict[str, int]) -> TritonConfig:
+    """The spec's [triton] keys over the tuned table's entry for its head_dim and dtype. Forward
+    tiles pinned without short_* keys are pinned for every length: no short-sequence forward."""
+    config = {**default_triton_config(head_dim, dtype), **pinned}
+    if pinned.keys() & {"block_m", "block_n", "num_warps", "num_stages"} and not any(
+        k.startswith("short_") for k in pinned
+    ):
+        config["short_kv_len"] = 0
+    return TritonConfig(**config)
 
 
 Key = tuple[str, ...]  # a dotted key path, e.g. ("mask", "expr")
@@ -626,17 +644,32 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
                 )
 
     tri = v.typed(v.table(data, "triton"), "triton")
-    for key in ("block_m", "block_n", "dq_block_m", "dq_block_n", "dkdv_block_m", "dkdv_block_n"):
+    for key in (
+        "block_m",
+        "block_n",
+        "short_block_m",
+        "short_block_n",
+        "dq_block_m",
+        "dq_block_n",
+        "dkdv_block_m",
+        "dkdv_block_n",
+    ):
         if key in tri and not (_power_of_two(tri[key]) and 16 <= tri[key] <= 256):
             v.error(
                 f"triton {key} must be a power of two in 16..256, got {_described(tri[key])}", loc.key("triton", key)
             )
-    for key in ("num_warps", "dq_num_warps", "dkdv_num_warps"):
+    for key in ("num_warps", "short_num_warps", "dq_num_warps", "dkdv_num_warps"):
         if key in tri and tri[key] not in (1, 2, 4, 8, 16):
             v.error(f"triton {key} must be 1, 2, 4, 8 or 16, got {_described(tri[key])}", loc.key("triton", key))
-    for key in ("num_stages", "dq_num_stages", "dkdv_num_stages"):
+    for key in ("num_stages", "short_num_stages", "dq_num_stages", "dkdv_num_stages"):
         if key in tri and not 1 <= tri[key] <= 8:
             v.error(f"triton {key} must be in 1..8, got {_described(tri[key])}", loc.key("triton", key))
+    if "short_kv_len" in tri and not 0 <= tri["short_kv_len"] < 2**31:
+        v.error(
+            f"triton short_kv_len must be in 0..2**31-1, got {_described(tri['short_kv_len'])}",
+            loc.key("triton", "short_kv_len"),
+            "0 turns the short-sequence forward off",
+        )
 
     tpu = v.typed(v.table(data, "pallas_tpu"), "pallas_tpu")
     # TPU tiles are (8 sublanes, 128 lanes): q rows are a sublane dim, kv a lane dim of the scores.
@@ -684,7 +717,7 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         mask=mask,
         score=score,
         params=tuple(params),
-        triton=TritonConfig(**{**default_triton_config(max(head_dim, top.get("head_dim_v") or 0), dtype), **tri}),
+        triton=triton_config(max(head_dim, top.get("head_dim_v") or 0), dtype, tri),
         triton_pinned=tuple(sorted(tri)),
         pallas_tpu=PallasTpuConfig(**tpu),
         path=path,

@@ -29,7 +29,7 @@ from attngen.build import import_generated, write_package
 from attngen.errors import AttngenError
 from attngen.spec import Spec, TritonConfig, retarget
 
-KERNELS = ("fwd", "dq", "dkdv")
+KERNELS = ("fwd", "short", "dq", "dkdv")  # "short": the forward at kv_len <= short_kv_len
 TOKENS = 16384  # batch * seq of every timed shape, as in the benchmark grid
 FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3}
 
@@ -47,7 +47,7 @@ class Candidate:
     def config(self, kernel: str) -> dict[str, int]:
         """As TritonConfig fields of `kernel` (dK/dV holds keys, its block_n, and steps over queries)."""
         m, n = (self.step, self.rows) if kernel == "dkdv" else (self.rows, self.step)
-        prefix = "" if kernel == "fwd" else f"{kernel}_"
+        prefix = "" if kernel == "fwd" else f"{kernel}_"  # short_, dq_, dkdv_
         return {f"{prefix}block_m": m, f"{prefix}block_n": n, f"{prefix}num_warps": self.warps,
                 f"{prefix}num_stages": self.stages}  # fmt: skip
 
@@ -94,6 +94,9 @@ def tune(
             log(f"{dtype} head_dim={head_dim} on {gpu}: {names} at seq {', '.join(map(str, seqs))}")
             config = TritonConfig(**default_config(head_dim, dtype))
             for kernel in KERNELS:
+                if not tuner.lengths(kernel, config):
+                    log(f"  {kernel}: no length to tune at (short_kv_len = {config.short_kv_len}); kept")
+                    continue
                 best = tuner.search(targets, config, kernel, search_space(quick))
                 config = dataclasses.replace(config, **best.config(kernel))
             entries.append(TunedEntry(gpu, head_dim, dtype, dataclasses.asdict(config)))
@@ -101,7 +104,7 @@ def tune(
     return entries
 
 
-class _Rejected(Exception):
+class Rejected(Exception):
     """A candidate that cannot run here or is not exact."""
 
 
@@ -125,7 +128,7 @@ class _Tuner:
                         kernel,
                     )
                 ]
-            except _Rejected as e:
+            except Rejected as e:
                 self.log(f"  [{kernel} {i}/{len(space)}] {label}: skipped ({e})")
                 continue
             scores[candidate] = math.exp(sum(map(math.log, times)) / len(times))
@@ -135,16 +138,27 @@ class _Tuner:
             raise AttngenError(f"no {kernel} candidate compiled and was exact")
         return min(scores, key=scores.get)
 
+    def lengths(self, kernel: str, config: TritonConfig) -> list[int]:
+        """The sequence lengths `kernel`'s configuration runs at: the short forward serves those up
+        to short_kv_len, the forward the longer ones, the backward kernels all."""
+        if kernel == "short":
+            return [n for n in self.seqs if n <= config.short_kv_len]
+        if kernel == "fwd":
+            return [n for n in self.seqs if n > config.short_kv_len]
+        return self.seqs
+
     def _measure(self, w: Workload, kernel: str) -> list[float]:
-        """Median ms of the forward (kernel "fwd") or of the whole backward, per sequence length."""
+        """Median ms of the forward (kernels "fwd", "short") or of the whole backward, per length."""
         import triton
 
         module = self._load(w.spec)
-        check_exact(module, w)
+        short_kv_len = w.spec.triton.short_kv_len
+        # Checked at a length the candidate's kernel serves (the short forward or the long one).
+        check_exact(module, w, {"fwd": short_kv_len + 512, "short": min(512, short_kv_len)}.get(kernel, 512))
         try:
-            return [_time_pass(module, w, kernel, seq) for seq in self.seqs]
+            return [_time_pass(module, w, kernel, seq) for seq in self.lengths(kernel, w.spec.triton)]
         except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
-            raise _Rejected(str(e).strip().splitlines()[0][:120]) from e
+            raise Rejected(str(e).strip().splitlines()[0][:120]) from e
 
     def _load(self, spec: Spec):
         self.count += 1
@@ -163,7 +177,7 @@ def _time_pass(module, w: Workload, kernel: str, seq: int) -> float:
         torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype, requires_grad=kernel != "fwd")
         for d in (w.spec.head_dim, w.spec.head_dim, w.spec.value_dim)
     )
-    if kernel == "fwd":
+    if kernel in ("fwd", "short"):
         return triton.testing.do_bench(lambda: module.attention(q, k, v, **w.params))
     out = module.attention(q, k, v, **w.params)
     dout = torch.randn_like(out)
@@ -172,7 +186,7 @@ def _time_pass(module, w: Workload, kernel: str, seq: int) -> float:
 
 
 def check_exact(module, w: Workload, seq: int = 512) -> None:
-    """Raise _Rejected unless out, dq, dk and dv match the float64 reference by the FlashAttention
+    """Raise Rejected unless out, dq, dk and dv match the float64 reference by the FlashAttention
     rule: within twice the error of the same computation in the kernel's dtype, plus a floor."""
     import torch
 
@@ -186,7 +200,7 @@ def check_exact(module, w: Workload, seq: int = 512) -> None:
     try:
         ours = _out_and_grads(lambda *x: module.attention(*x, **w.params), q, k, v, dout)
     except Exception as e:  # a compiler failure (e.g. too much shared memory) rejects the candidate
-        raise _Rejected(str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__) from e
+        raise Rejected(str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__) from e
     exact, same_precision = (
         _out_and_grads(lambda *x, d=d: attention_ref_torch(w.spec, *x, dtype=d, **w.params)[0], q, k, v, dout)
         for d in (torch.float64, dtype)
@@ -195,7 +209,7 @@ def check_exact(module, w: Workload, seq: int = 512) -> None:
         err = (x.double() - ref).abs().max().item()
         allowed = 2 * (peer.double() - ref).abs().max().item() + FLOOR[w.spec.dtype] * max(1.0, ref.abs().max().item())
         if not err <= allowed:  # NaN fails too
-            raise _Rejected(f"not exact: {name} error {err:.2e} > {allowed:.2e} (seed {seed})")
+            raise Rejected(f"not exact: {name} error {err:.2e} > {allowed:.2e} (seed {seed})")
 
 
 def _out_and_grads(fn, q, k, v, dout):

@@ -458,9 +458,9 @@ def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
         impls[OURS] = lambda q, k, v: module.attention(q, k, v, **params)
         if hasattr(module, "_build_block_tables"):  # a mask that reads tensors: tables built at run time
             kernel_params = module._kernel_params([params[name] for name in [*module.PARAMS, *module.TENSOR_PARAMS]])
-            build = functools.partial(
-                module._build_block_tables, module.BLOCK_M, module.BLOCK_N, q, row.seq, kernel_params, False
-            )
+            short = row.seq <= module.SHORT_KV_LEN  # the forward's tiles at this length
+            blocks = (module.SHORT_BLOCK_M, module.SHORT_BLOCK_N) if short else (module.BLOCK_M, module.BLOCK_N)
+            build = functools.partial(module._build_block_tables, *blocks, q, row.seq, kernel_params, False)
             tables_ms = bench.time_ms(build)
     for name, backend in ((FA2, SDPBackend.FLASH_ATTENTION), (CUDNN, SDPBackend.CUDNN_ATTENTION)):
         if row.case.sdpa is None:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from attngen.backends.triton_gpu import default_config
 from attngen.errors import SpecError
-from attngen.spec import CAUSAL_MASK, MAX_SPEC_BYTES, PallasTpuConfig, load_spec, parse_spec
+from attngen.spec import CAUSAL_MASK, MAX_SPEC_BYTES, PallasTpuConfig, load_spec, parse_spec, retarget
 
 GOOD = 'name = "ok"\nhead_dim = 64\n'
 
@@ -66,6 +67,19 @@ def test_every_problem_is_reported_with_location():
         assert rendered.startswith(where) and what in rendered, rendered
     windw = next(r for r in found if "windw" in r)
     assert windw.splitlines()[2].index("^") == windw.splitlines()[1].index("windw")
+
+
+def test_short_forward_tiles():
+    """Unpinned specs take the tuned table's short-sequence forward; forward tiles pinned without
+    short_* keys hold at every length (also after retargeting); a negative length is an error."""
+    table = default_config(64, "bfloat16")
+    assert parse_spec(GOOD, "s.toml").triton.short_kv_len == table["short_kv_len"] > 0
+    pinned = parse_spec(GOOD + "[triton]\nblock_m = 64\n", "s.toml")
+    assert pinned.triton.short_kv_len == 0 and retarget(pinned, 64, "float16").triton.short_kv_len == 0
+    both = parse_spec(GOOD + "[triton]\nnum_warps = 4\nshort_kv_len = 512\nshort_block_m = 32\n", "s.toml")
+    assert (both.triton.short_kv_len, both.triton.short_block_m, both.triton.num_warps) == (512, 32, 4)
+    (rendered,) = problems(GOOD + "[triton]\nshort_kv_len = -1\n")
+    assert rendered.startswith("s.toml:4:1:") and "short_kv_len must be in 0..2**31-1" in rendered
 
 
 def test_toml_syntax_error_has_location():

@@ -34,6 +34,21 @@ def test_spec_examples(spec_file, dtype):
     harness.assert_grads_exact(spec, p, c, harness.run_triton_grad(spec, p, c))
 
 
+@pytest.mark.parametrize("spec_file", SPECS, ids=lambda p: p.stem)
+def test_spec_examples_long_forward(spec_file, monkeypatch):
+    """The forward's long-sequence tiles at a length the short-sequence ones would take (the
+    bounds read the block sizes as kernel constants, so one kernel serves both)."""
+    spec = harness.with_dtype(load_spec(spec_file), "float16")
+    module = harness.load_target(spec, "triton_gpu")
+    if not module.SHORT_KV_LEN:
+        pytest.skip("this spec has one forward configuration, run by test_spec_examples")
+    monkeypatch.setattr(module, "SHORT_KV_LEN", 0)
+    p = harness.make_problem(
+        spec, batch=1, heads=2, q_len=300, kv_len=277, seed=12, params=harness.example_params(spec.name, 1, 2, 300, 277)
+    )
+    harness.assert_exact(spec, p, *harness.run_triton(spec, p))
+
+
 @settings(max_examples=40)
 @given(**DRAWN)
 def test_drawn_specs(drawn, shape, seed, scale):

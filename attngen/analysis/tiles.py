@@ -131,6 +131,8 @@ class FloorDiv(sympy.Function):
     def eval(cls, a, b):
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(int(a) // int(b))
+        if a == 0 or (b.is_positive and a == b - 1):  # 0 <= a < b, for a block size b not yet known
+            return sympy.Integer(0)
         return None
 
 
@@ -456,9 +458,9 @@ def _tidy(x: sympy.Basic) -> sympy.Basic:
     return x.func(*args)
 
 
-def _blocks(visit: _Interval, full: _Interval, block_kv: int) -> tuple[sympy.Expr, ...]:
+def _blocks(visit: _Interval, full: _Interval, block_kv: int | str) -> tuple[sympy.Expr, ...]:
     """Key intervals -> kv block ranges; every division has a non-negative numerator."""
-    bn = sympy.Integer(block_kv)
+    bn = sympy.Integer(block_kv) if isinstance(block_kv, int) else sympy.Symbol(block_kv, integer=True, positive=True)
     kv_lo = FloorDiv(_tidy(sympy.Max(visit.lo, 0)), bn)
     kv_hi = FloorDiv(_tidy(sympy.Min(sympy.Max(visit.hi + 1, 0), KV_LEN) + bn - 1), bn)
     full_lo = sympy.Min(sympy.Max(FloorDiv(_tidy(sympy.Max(full.lo, 0) + bn - 1), bn), KV_LO), KV_HI)
@@ -469,9 +471,11 @@ def _blocks(visit: _Interval, full: _Interval, block_kv: int) -> tuple[sympy.Exp
 
 
 def analyse_mask(
-    mask: ir.Expr | None, params: dict[str, Type], block: int, orientation: Orientation = BY_QUERY_BLOCK
+    mask: ir.Expr | None, params: dict[str, Type], block: int | str, orientation: Orientation = BY_QUERY_BLOCK
 ) -> TileBounds:
-    """Column block ranges of `mask` (None: no mask) for column blocks of `block` positions.
+    """Column block ranges of `mask` (None: no mask) for column blocks of `block` positions: a
+    number, or the name of the kernel constant that holds it (one kernel then serves any block
+    size, and the launch may pick one per call).
 
     With BY_QUERY_BLOCK (the default) the result reads q_first, q_last, kv_len and gives kv block
     ranges; with BY_KEY_BLOCK it reads kv_first, kv_last, q_len and gives q block ranges.
@@ -499,6 +503,7 @@ def analyse_mask(
         **{n: (n, VarKind.INDEX) for n in ("b", "h")},
         **{n: (n, VarKind.PARAM) for n in params},
         **{generic: (name, VarKind.TILE) for generic, name in orientation.names.items()},
+        **({block: (block, VarKind.TILE)} if isinstance(block, str) else {}),
     }
     try:
         exprs = [_int_ir(x, kinds) for x in _blocks(visit, full, block)]

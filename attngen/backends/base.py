@@ -19,6 +19,9 @@ class Backend:
     block_kv_key: str
     dq_block_kv_key: str
     dkdv_block_q_key: str
+    # Or, where the kernels take block sizes as compile-time arguments, the names of those
+    # arguments in the same order: the bounds then read them, and a launch may pick the sizes.
+    block_names: tuple[str, str, str] | None
     helper_functions: frozenset[str]  # dialect functions the template defines only when used
     # What a kernel takes for a tensor param: (its name in kernels, its rank) -> argument names.
     tensor_args: Callable[[str, int], tuple[str, ...]]

@@ -28,6 +28,7 @@ PALLAS_TPU = Backend(
     block_kv_key="block_kv",
     dq_block_kv_key="block_kv",
     dkdv_block_q_key="block_q",
+    block_names=None,  # the kernels' blocks are fixed when the package is generated
     helper_functions=frozenset(),
     tensor_args=lambda name, rank: (name,),  # a ref in scalar memory (SMEM)
     gathers_position_loads=True,

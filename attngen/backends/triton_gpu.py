@@ -41,6 +41,7 @@ TRITON_GPU = Backend(
     block_kv_key="block_n",
     dq_block_kv_key="dq_block_n",
     dkdv_block_q_key="dkdv_block_m",
+    block_names=("BLOCK_N", "BLOCK_N", "BLOCK_M"),  # each kernel's own constexprs
     helper_functions=frozenset({"tanh", "floordiv", "floormod"}),
     tensor_args=tensor_args,
     gathers_position_loads=False,

@@ -51,6 +51,9 @@ class _Kernel:
 
 _KERNELS = {
     "fwd": _Kernel("_attention_fwd", "mnNMf", ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")),
+    "fwd_short": _Kernel(
+        "_attention_fwd", "mnNMf", ("SHORT_BLOCK_M", "SHORT_BLOCK_N", "SHORT_NUM_WARPS", "SHORT_NUM_STAGES")
+    ),
     "bwd_dq": _Kernel("_attention_bwd_dq", "mnNMMfffm", ("DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS", "DQ_NUM_STAGES")),
     "bwd_dkdv": _Kernel(
         "_attention_bwd_dkdv", "mnNMffnN", ("DKDV_BLOCK_M", "DKDV_BLOCK_N", "DKDV_NUM_WARPS", "DKDV_NUM_STAGES")
@@ -140,6 +143,8 @@ def check_gpu(module, dtype: str, target: GpuTarget) -> list[Finding]:
 
     findings = []
     for name, kernel in _KERNELS.items():
+        if name == "fwd_short" and not module.SHORT_KV_LEN:  # no short-sequence forward
+            continue
         block_m, block_n, warps, stages = (getattr(module, constant) for constant in kernel.blocks)
         blocks = f"block_m={block_m} block_n={block_n} num_warps={warps} num_stages={stages}"
         fn, signature, constexprs, attrs = _signature(module, kernel, dtype)

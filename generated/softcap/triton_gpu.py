@@ -5,10 +5,10 @@
 mask:  q_idx >= kv_idx
 score: softcap * tanh(score / softcap)
 dtype: bfloat16, head_dim: 128
-tiles: 128 queries x 128 keys; closed-form tile bounds
+tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: it calls the
-custom op torch.ops.attngen.softcap_c8c7f1079623_fwd, whose backward is ..._bwd.
+custom op torch.ops.attngen.softcap_d2629feff8d8_fwd, whose backward is ..._bwd.
 """
 
 import math
@@ -29,6 +29,13 @@ BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8
 NUM_STAGES = 3
+# Forward when kv_len <= SHORT_KV_LEN: few keys per program, so smaller tiles that let two
+# programs share an SM (each hides the other's prologue and epilogue).
+SHORT_KV_LEN = 2048
+SHORT_BLOCK_M = 64
+SHORT_BLOCK_N = 64
+SHORT_NUM_WARPS = 4
+SHORT_NUM_STAGES = 3
 # Backward, dQ: DQ_BLOCK_M queries per program, DQ_BLOCK_N keys per step.
 DQ_BLOCK_M = 128
 DQ_BLOCK_N = 64
@@ -47,6 +54,20 @@ def tanh(x):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def floordiv(a, b):
+    # Python's floor division: Triton's // truncates toward zero.
+    q = a // b
+    return tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def floormod(a, b):
+    # Python's modulo (sign of b): Triton's % takes the sign of a.
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 
 
 @triton.jit
@@ -116,9 +137,9 @@ def _attention_fwd(
     # Tile analysis: kv blocks outside [kv_lo, kv_hi) are EMPTY and never touched;
     # [full_lo, full_hi) are FULL and run without mask code.
     kv_lo = 0
-    kv_hi = tl.minimum(kv_len + 127, q_last + 128) // 128
+    kv_hi = floordiv(tl.minimum(BLOCK_N + q_last, BLOCK_N + kv_len - 1), BLOCK_N)
     full_lo = tl.minimum(kv_hi, kv_lo)
-    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, q_first + 1) // 128))
+    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, q_first + 1) // BLOCK_N))
 
     offs_m = q_first + tl.arange(0, BLOCK_M)
     q_idx = offs_m[:, None]
@@ -210,10 +231,10 @@ def _attention_bwd_dkdv(
         h = h_kv * GROUP + g
         # The same tile analysis, transposed: q blocks outside [q_lo, q_hi) see none of these keys;
         # [q_full_lo, q_full_hi) see all of them.
-        q_lo = kv_first // 64
-        q_hi = (q_len + 63) // 64
-        q_full_lo = tl.minimum(q_hi, tl.maximum(q_lo, (kv_last + 63) // 64))
-        q_full_hi = tl.minimum(q_hi, tl.maximum(q_full_lo, q_len // 64))
+        q_lo = kv_first // BLOCK_M
+        q_hi = floordiv(BLOCK_M + q_len - 1, BLOCK_M)
+        q_full_lo = tl.minimum(q_hi, tl.maximum(q_lo, floordiv(BLOCK_M + kv_last - 1, BLOCK_M)))
+        q_full_hi = tl.minimum(q_hi, tl.maximum(q_full_lo, q_len // BLOCK_M))
         row = (b * num_heads + h).to(tl.int64) * q_len  # this head's first entry of LSE and delta
         lse_row, delta_row = LSE + row, DELTA + row
         dk, dv = _dkdv_q_blocks(
@@ -275,9 +296,9 @@ def _attention_bwd_dq(
 
     # The forward's tile analysis, for this kernel's kv step.
     kv_lo = 0
-    kv_hi = tl.minimum(kv_len + 63, q_last + 64) // 64
+    kv_hi = floordiv(tl.minimum(BLOCK_N + q_last, BLOCK_N + kv_len - 1), BLOCK_N)
     full_lo = tl.minimum(kv_hi, kv_lo)
-    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, q_first + 1) // 64))
+    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, q_first + 1) // BLOCK_N))
 
     offs_m = q_first + tl.arange(0, BLOCK_M)
     q_idx = offs_m[:, None]
@@ -333,11 +354,15 @@ def _forward(q, k, v, scale, params):
     if kv_len == 0:  # no key at all: every row is empty (and a descriptor cannot span 0 rows)
         return out.zero_(), lse.fill_(float("-inf"))
     if out.numel() > 0:
-        grid = (triton.cdiv(q_len, BLOCK_M), batch * heads)
+        if kv_len <= SHORT_KV_LEN:
+            block_m, block_n, warps, stages = SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_NUM_WARPS, SHORT_NUM_STAGES
+        else:
+            block_m, block_n, warps, stages = BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+        grid = (triton.cdiv(q_len, block_m), batch * heads)
         _attention_fwd[grid](
-            _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N, BLOCK_DV), _descriptor(out, BLOCK_M, BLOCK_DV), lse,
+            _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV), _descriptor(out, block_m, BLOCK_DV), lse,
             heads, q_len, kv_len, scale, *params, GROUP=group,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=warps, num_stages=stages,
         )
     return out, lse
 
@@ -371,7 +396,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are contiguous whatever the inputs' layout, in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "softcap_c8c7f1079623"
+_OP = "softcap_d2629feff8d8"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -402,7 +427,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = torch.ops.attngen.softcap_c8c7f1079623_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.softcap_d2629feff8d8_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -428,7 +453,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, **params):
     values = _check_params(params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    out, lse = torch.ops.attngen.softcap_c8c7f1079623_fwd(q, k, v, float(scale), *values)
+    out, lse = torch.ops.attngen.softcap_d2629feff8d8_fwd(q, k, v, float(scale), *values)
     return (out, lse) if return_lse else out
 
 

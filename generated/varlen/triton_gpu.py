@@ -5,10 +5,10 @@
 mask:  (seq_q[b, q_idx] == seq_kv[b, kv_idx]) and (pos_q[b, q_idx] >= pos_kv[b, kv_idx])
 score: none
 dtype: bfloat16, head_dim: 128
-tiles: 128 queries x 128 keys; some tiles cannot be bounded at compile time: they run the mask
+tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); some tiles cannot be bounded at compile time: they run the mask
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: it calls the
-custom op torch.ops.attngen.varlen_162cea317a41_fwd, whose backward is ..._bwd.
+custom op torch.ops.attngen.varlen_e237c07103c5_fwd, whose backward is ..._bwd.
 """
 
 import math
@@ -37,6 +37,13 @@ BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8
 NUM_STAGES = 3
+# Forward when kv_len <= SHORT_KV_LEN: few keys per program, so smaller tiles that let two
+# programs share an SM (each hides the other's prologue and epilogue).
+SHORT_KV_LEN = 2048
+SHORT_BLOCK_M = 64
+SHORT_BLOCK_N = 64
+SHORT_NUM_WARPS = 4
+SHORT_NUM_STAGES = 3
 # Backward, dQ: DQ_BLOCK_M queries per program, DQ_BLOCK_N keys per step.
 DQ_BLOCK_M = 128
 DQ_BLOCK_N = 64
@@ -47,6 +54,20 @@ DKDV_BLOCK_M = 64
 DKDV_BLOCK_N = 128
 DKDV_NUM_WARPS = 8
 DKDV_NUM_STAGES = 3
+
+
+@triton.jit
+def floordiv(a, b):
+    # Python's floor division: Triton's // truncates toward zero.
+    q = a // b
+    return tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def floormod(a, b):
+    # Python's modulo (sign of b): Triton's % takes the sign of a.
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 
 
 @triton.jit
@@ -427,12 +448,16 @@ def _forward(q, k, v, scale, params):
     if kv_len == 0:  # no key at all: every row is empty (and a descriptor cannot span 0 rows)
         return out.zero_(), lse.fill_(float("-inf"))
     if out.numel() > 0:
-        tables = _block_tables(BLOCK_M, BLOCK_N, q, kv_len, params, by_key=False)
-        grid = (triton.cdiv(q_len, BLOCK_M), batch * heads)
+        if kv_len <= SHORT_KV_LEN:
+            block_m, block_n, warps, stages = SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_NUM_WARPS, SHORT_NUM_STAGES
+        else:
+            block_m, block_n, warps, stages = BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+        tables = _block_tables(block_m, block_n, q, kv_len, params, by_key=False)
+        grid = (triton.cdiv(q_len, block_m), batch * heads)
         _attention_fwd[grid](
-            _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N, BLOCK_DV), _descriptor(out, BLOCK_M, BLOCK_DV), lse,
+            _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV), _descriptor(out, block_m, BLOCK_DV), lse,
             heads, q_len, kv_len, scale, *params, tables, tables.stride(0), tables.stride(1), GROUP=group,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=warps, num_stages=stages,
         )
     return out, lse
 
@@ -477,7 +502,7 @@ def _kernel_params(params):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are contiguous whatever the inputs' layout, in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "varlen_162cea317a41"
+_OP = "varlen_e237c07103c5"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -508,7 +533,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = torch.ops.attngen.varlen_162cea317a41_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.varlen_e237c07103c5_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -541,7 +566,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, **params):
     values = _check_params(params, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    out, lse = torch.ops.attngen.varlen_162cea317a41_fwd(q, k, v, float(scale), *values)
+    out, lse = torch.ops.attngen.varlen_e237c07103c5_fwd(q, k, v, float(scale), *values)
     return (out, lse) if return_lse else out
 
 
