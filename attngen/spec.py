@@ -644,24 +644,16 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
                 )
 
     tri = v.typed(v.table(data, "triton"), "triton")
-    for key in (
-        "block_m",
-        "block_n",
-        "short_block_m",
-        "short_block_n",
-        "dq_block_m",
-        "dq_block_n",
-        "dkdv_block_m",
-        "dkdv_block_n",
-    ):
+    kernels = ("", "short_", "dq_", "dkdv_")  # the [triton] key prefix of each kernel's tiles
+    for key in (f"{kernel}{block}" for kernel in kernels for block in ("block_m", "block_n")):
         if key in tri and not (_power_of_two(tri[key]) and 16 <= tri[key] <= 256):
             v.error(
                 f"triton {key} must be a power of two in 16..256, got {_described(tri[key])}", loc.key("triton", key)
             )
-    for key in ("num_warps", "short_num_warps", "dq_num_warps", "dkdv_num_warps"):
+    for key in (f"{kernel}num_warps" for kernel in kernels):
         if key in tri and tri[key] not in (1, 2, 4, 8, 16):
             v.error(f"triton {key} must be 1, 2, 4, 8 or 16, got {_described(tri[key])}", loc.key("triton", key))
-    for key in ("num_stages", "short_num_stages", "dq_num_stages", "dkdv_num_stages"):
+    for key in (f"{kernel}num_stages" for kernel in kernels):
         if key in tri and not 1 <= tri[key] <= 8:
             v.error(f"triton {key} must be in 1..8, got {_described(tri[key])}", loc.key("triton", key))
     if "short_kv_len" in tri and not 0 <= tri["short_kv_len"] < 2**31:

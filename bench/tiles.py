@@ -5,8 +5,9 @@ sequence length and each configuration given, the spec is built with that config
 (fwd, dq or dkdv; the others as the spec has them), checked against the float64 reference
 (attngen.tune.check_exact: out, dq, dk, dv on fresh inputs, N = 512), then timed with
 triton.testing.do_bench (median): the forward alone for fwd, forward + backward for dq and dkdv.
-A configuration is block_m.block_n.num_warps.num_stages; for dkdv block_m is the query step and block_n
-the keys a program holds. With --kernel fwd the configuration serves every length (short_kv_len = 0).
+A configuration is rows.step.num_warps.num_stages as `attngen tune` names them (attngen.tune.Candidate):
+the block a program holds, the block it steps over (for fwd and dq: block_m.block_n; for dkdv the keys
+held, then the query step). With --kernel fwd the configuration serves every length (short_kv_len = 0).
 `attngen tune` searches a whole space and keeps a geometric mean; this script shows each case on its own.
 
     python bench/tiles.py --cases causal,sliding_window --seqs 1024,16384 --kernel fwd \\
@@ -38,16 +39,14 @@ from speed import CASES, HEADS_TIMES_DIM, TOKENS, Row, dense_visible
 
 from attngen.build import import_generated, write_package
 from attngen.spec import load_spec, retarget
-from attngen.tune import Rejected, Workload, check_exact
+from attngen.tune import Candidate, Rejected, Workload, check_exact
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
 
 def build(spec, kernel: str, config: tuple[int, ...], scratch: Path):
     """The spec with `config` for `kernel`, built and imported."""
-    prefix = "" if kernel == "fwd" else f"{kernel}_"
-    fields = {prefix + name: value for name, value in zip(FIELDS, config)}
+    fields = Candidate(*config).config(kernel)
     if kernel == "fwd":
         fields["short_kv_len"] = 0
     tag = f"{spec.name}_{kernel}_{'_'.join(map(str, config))}"
@@ -84,7 +83,7 @@ def main() -> None:
     parser.add_argument("--cases", required=True, help="comma-separated case names of bench/speed.py")
     parser.add_argument("--seqs", default="16384")
     parser.add_argument("--kernel", choices=("fwd", "dq", "dkdv"), default="fwd")
-    parser.add_argument("--configs", required=True, help="comma-separated block_m.block_n.num_warps.num_stages")
+    parser.add_argument("--configs", required=True, help="comma-separated rows.step.num_warps.num_stages")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
