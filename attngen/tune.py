@@ -185,7 +185,7 @@ def _time_pass(module, w: Workload, kernel: str, seq: int) -> float:
     return triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
 
 
-def check_exact(module, w: Workload, seq: int = 512) -> None:
+def check_exact(module, w: Workload, seq: int = 512, heads: int = 2, kv_heads: int = 2) -> None:
     """Raise Rejected unless out, dq, dk and dv match the float64 reference by the FlashAttention
     rule: within twice the error of the same computation in the kernel's dtype, plus a floor."""
     import torch
@@ -196,7 +196,10 @@ def check_exact(module, w: Workload, seq: int = 512) -> None:
     gen = torch.Generator(device="cuda")
     seed = gen.seed()  # fresh inputs for every candidate
     dims = (w.spec.head_dim, w.spec.head_dim, w.spec.value_dim, w.spec.value_dim)  # q, k, v, dout
-    q, k, v, dout = (torch.randn(1, 2, seq, d, device="cuda", generator=gen).to(dtype) for d in dims)
+    q, k, v, dout = (
+        torch.randn(1, h, seq, d, device="cuda", generator=gen).to(dtype)
+        for h, d in zip((heads, kv_heads, kv_heads, heads), dims)
+    )
     try:
         ours = _out_and_grads(lambda *x: module.attention(*x, **w.params), q, k, v, dout)
     except Exception as e:  # a compiler failure (e.g. too much shared memory) rejects the candidate

@@ -29,7 +29,9 @@ Grid: D in {128, 64} (H = 16, 32), N in {1k, 4k, 16k} with B*N = 16k, causal and
 sliding window (window 1024), prefix-LM (prefix N/4), causal document masking (N/1024 packed documents
 of random lengths, seed 0, as segment-id tensors), chunked causal (chunks of N/4) and the
 tensor-param variants (a prefix per sequence, ALiBi slopes, a relative-position table, a full bf16
-bias at N <= 4k) at the largest D and N. First call of each freshly
+bias at N <= 4k) at the largest D and N; grouped-query attention, causal at the largest D and N >= 4k
+with 4 kv heads and with 1 (GQA-4 and MQA: SDPA with enable_gqa, FlexAttention with enable_gqa; exactness
+on kv head 0 and its whole group of query heads). First call of each freshly
 generated kernel (build + Triton JIT of fwd, dQ, dK/dV + first runs) reported; the process uses a fresh
 TRITON_CACHE_DIR unless one is set, so that it is a real JIT (Flex's kernels compile cold too). Measured:
 about 150 s per dtype for the grid and the masks, 110 s for the 8 mask and variant rows at D=128,
@@ -52,6 +54,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import platform
@@ -95,6 +98,8 @@ SMOKE_SHAPE = {"batch": 1, "heads": 2, "seq": 256, "head_dim": 64}
 # Done-when targets of issue 4: (peer, minimum ours/peer, on grid rows (True) or mask rows (False)).
 TARGETS = ((FA2, 1.1, True), (FLEX, 1.1, True), (FLEX, 1.3, False))
 MASK_CASES = ("sliding_window", "prefix_lm", "document")  # the mask rows the 1.3x target names
+# Grouped-query rows: causal at the largest D, N >= 4k, with this many kv heads (GQA-4 and MQA at H = 16).
+GQA_KV_HEADS = (4, 1)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -237,10 +242,16 @@ class Row:
     batch: int
     heads: int
     seq: int
+    kv_heads: int | None = None  # fewer than heads: grouped-query attention; None: as many as q
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
 
     @property
     def label(self) -> str:
-        return f"{self.case.name} {SHORT[self.dtype]} D={self.head_dim} N={self.seq} B={self.batch} H={self.heads}"
+        grouped = f" H_kv={self.kv}" if self.kv != self.heads else ""
+        return f"{self.case.name} {SHORT[self.dtype]} D={self.head_dim} N={self.seq} B={self.batch} H={self.heads}{grouped}"
 
 
 def plan_rows(args) -> list[Row]:
@@ -250,6 +261,8 @@ def plan_rows(args) -> list[Row]:
         if args.smoke:
             s = SMOKE_SHAPE
             rows += [Row(c, dtype, s["head_dim"], s["batch"], s["heads"], s["seq"]) for c in cases]
+            shape = (s["head_dim"], s["batch"], s["heads"], s["seq"])
+            rows += [Row(c, dtype, *shape, kv_heads=1) for c in cases if c.name == "causal"]
             continue
         for head_dim in args.heads_dims:
             for seq in args.seqs:
@@ -259,6 +272,10 @@ def plan_rows(args) -> list[Row]:
             if not c.grid:
                 head_dim, seq = max(args.heads_dims), min(max(args.seqs), c.max_seq or TOKENS)
                 rows.append(Row(c, dtype, head_dim, TOKENS // seq, HEADS_TIMES_DIM // head_dim, seq))
+        head_dim = max(args.heads_dims)
+        for c in (c for c in cases if c.name == "causal"):
+            for seq, kv_heads in itertools.product((n for n in args.seqs if n >= 4096), GQA_KV_HEADS):
+                rows.append(Row(c, dtype, head_dim, TOKENS // seq, HEADS_TIMES_DIM // head_dim, seq, kv_heads))
     return rows
 
 
@@ -365,11 +382,16 @@ def sliced_params(spec: Spec, params: dict, h: int) -> dict:
 
 
 def reference(spec, visible, params, q, k, v, dout, dtype=torch.float64) -> dict[str, torch.Tensor]:
-    """out, dq, dk, dv on the checked slice (batch 0, the first REF_HEADS heads), one head at a time to bound
-    memory: attngen's oracle where there is a spec, else SDPA math with the dense mask."""
+    """out, dq, dk, dv on the checked slice, one query head at a time to bound memory: attngen's oracle where
+    there is a spec, else SDPA math with the dense mask. The slice is batch 0 and the first REF_HEADS heads;
+    with grouped-query attention, kv head 0 and the query heads of its group (dk, dv sum over the group)."""
+    group = q.shape[1] // k.shape[1]
     parts = {name: [] for name in ("out", "dq", "dk", "dv")}
-    for h in range(min(REF_HEADS, q.shape[1])):
-        leaves = [x[:1, h : h + 1].to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
+    for h in range(min(REF_HEADS, q.shape[1]) if group == 1 else group):
+        leaves = [
+            x[:1, g : g + 1].to(dtype, copy=True).requires_grad_()
+            for x, g in zip((q, k, v), (h, h // group, h // group))
+        ]
         if spec is not None:
             out = attention_ref_torch(spec, *leaves, dtype=dtype, **sliced_params(spec, params, h))[0]
         else:
@@ -378,17 +400,24 @@ def reference(spec, visible, params, q, k, v, dout, dtype=torch.float64) -> dict
         grads = torch.autograd.grad(out, leaves, dout[:1, h : h + 1].to(dtype))
         for name, value in zip(parts, (out, *grads)):
             parts[name].append(value.detach())
+    if group > 1:  # kv head 0's gradients: the sum over the query heads that read it
+        parts["dk"], parts["dv"] = [sum(parts["dk"])], [sum(parts["dv"])]
     return {name: torch.cat(values, dim=1) for name, values in parts.items()}
 
 
 def errors_vs(ref: dict, got: dict) -> dict[str, float]:
-    return {name: float((got[name][:1, :REF_HEADS].double() - ref[name].double()).abs().max()) for name in got}
+    """Max abs error of each output on the reference's slice (batch 0, as many heads as it has)."""
+    return {
+        name: float((got[name][:1, : ref[name].shape[1]].double() - ref[name].double()).abs().max()) for name in got
+    }
 
 
 def sdpa_peer(backend, kind: str):
     def run(q, k, v):
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=kind == "causal")
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=kind == "causal", enable_gqa=k.shape[1] != q.shape[1]
+            )
 
     return run
 
@@ -439,8 +468,10 @@ def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
     params = row.case.params(row, device)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     torch.manual_seed(seed)
-    shape = (row.batch, row.heads, row.seq, row.head_dim)
-    q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype) for _ in range(4))
+    q, k, v, dout = (
+        torch.randn(row.batch, heads, row.seq, row.head_dim, device=device, dtype=dtype)
+        for heads in (row.heads, row.kv, row.kv, row.heads)
+    )
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 
     visible = dense_visible(row, spec, params, device)
@@ -474,7 +505,8 @@ def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
         torch._dynamo.reset()
         flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
     score_mod = row.case.score_mod(params, device) if row.case.score_mod else None
-    impls[FLEX] = lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    gqa = row.kv != row.heads
+    impls[FLEX] = lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
 
     inductor_before = inductor_graphs()
     results = {}
@@ -547,12 +579,13 @@ def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
     }
     return {
         "case": row.case.name,
-        "grid": row.case.grid,
+        "grid": row.case.grid and row.kv == row.heads,  # the grouped-query rows are extra to the grid
         "spec": row.case.spec,
         "dtype": row.dtype,
         "head_dim": row.head_dim,
         "batch": row.batch,
         "heads": row.heads,
+        "kv_heads": row.kv,
         "seq": row.seq,
         "params": jsonable(params),
         "seed": seed,
@@ -610,7 +643,8 @@ def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     header += ["exact", "1st call"]
     lines = []
     for r in rows:
-        line = [r["case"], SHORT[r["dtype"]], str(r["head_dim"]), str(r["seq"]), f"{r['batch']}×{r['heads']}"]
+        heads = f"{r['heads']}" if r["kv_heads"] == r["heads"] else f"{r['heads']}/{r['kv_heads']}"
+        line = [r["case"], SHORT[r["dtype"]], str(r["head_dim"]), str(r["seq"]), f"{r['batch']}×{heads}"]
         for mode in MODES:
             line += [cell(r["impls"][name][mode]) for name in (OURS, FA2, CUDNN, FLEX)]
             line += [f"{r['ratios'][mode][p]:.2f}" if p in r["ratios"][mode] else "–" for p in (FA2, FLEX, CUDNN)]
@@ -622,6 +656,7 @@ def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 LEGEND = (
     "TF/s: 4·B·H·N²·D × mask density (× 3.5 for fwd+bwd) / median time; /FA2, /Flex, /cuDNN: ours ÷ peer. "
+    "B×H/H_kv: a grouped-query row with H_kv kv heads (not counted in the grid's targets). "
     "n/a (mask): SDPA flash and cuDNN cannot express the mask without a dense attn_mask (not measured; no "
     "fallback to the math or efficient kernels); n/a (no spec yet): no generated kernel for this mask; n/a: "
     "not supported here (see results.json); FAIL: ours not exact (not timed); WRONG: a peer disagrees with "

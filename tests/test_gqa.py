@@ -37,3 +37,18 @@ def test_heads_that_do_not_divide_are_refused(target):
     p = harness.make_problem(spec, 1, 3, 8, 8, seed=0, params={}, kv_heads=2)
     with pytest.raises(ValueError, match="kv heads dividing q heads"):
         run(spec, p)
+
+
+@pytest.mark.parametrize(("sms", "parts"), [(1, 1), (3, 2), (10**6, 4)], ids=["whole-groups", "halves", "per-head"])
+def test_triton_splits_groups_over_programs(sms, parts, monkeypatch):
+    """With few kv heads the Triton dK/dV kernel splits each group of query heads over programs, which
+    write float32 partial sums; the grid here has 2 batches x 1 kv head x 3 kv blocks = 6 programs,
+    so `sms` SMs (4 programs each) ask for `parts` parts of the 4-head group."""
+    text = spec_toml("q_idx + 3 * h >= kv_idx", "score - 0.25 * h", head_dim=32, extra=('dtype = "float32"',))
+    spec = harness.spec_from_text(text + TILES)
+    module = harness.load_target(spec, "triton_gpu")
+    monkeypatch.setattr(module, "_sm_count", lambda device: sms)
+    assert module._group_splits(4, 6, None) == parts
+    p = harness.make_problem(spec, 2, 4, 40, 40, seed=parts, params={}, kv_heads=1)
+    c = harness.make_cotangents(p, seed=parts)
+    harness.assert_grads_exact(spec, p, c, harness.run_triton_grad(spec, p, c))

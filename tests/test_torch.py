@@ -83,3 +83,21 @@ def test_requires_grad_on_some_inputs_only():
     k, v = (torch.randn(1, 2, 20, SPEC.head_dim) for _ in range(2))
     attention(q, k, v, window=5).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_compiled_calls_the_custom_op_and_eager_the_function():
+    """One pair of kernels, two entry points: torch.compile traces the custom op (fake tensors, no graph
+    break); eager calls go through a torch.autograd.Function, which costs less host time per call."""
+    module = _module()
+    graphs = []
+
+    def capturing_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 20, SPEC.head_dim, requires_grad=True) for _ in range(3))
+    torch.compile(lambda q, k, v: module.attention(q, k, v, window=5), backend=capturing_backend)(q, k, v)
+    called = {str(node.target) for g in graphs for node in g.graph.nodes if node.op == "call_function"}
+    assert any(f"attngen.{module._OP}_fwd" in target for target in called), called
+    assert type(module.attention(q, k, v, window=5).grad_fn).__name__ == "_AttentionBackward"

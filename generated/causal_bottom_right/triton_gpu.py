@@ -7,10 +7,12 @@ score: none
 dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
-`attention` is differentiable (torch.autograd) and traceable by torch.compile: it calls the
-custom op torch.ops.attngen.causal_bottom_right_a165068e3a01_fwd, whose backward is ..._bwd.
+`attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
+it calls the custom op torch.ops.attngen.causal_bottom_right_a165068e3a01_fwd, whose backward is ..._bwd; eager
+calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
+import functools
 import math
 
 import torch
@@ -46,6 +48,9 @@ DKDV_BLOCK_M = 64
 DKDV_BLOCK_N = 128
 DKDV_NUM_WARPS = 8
 DKDV_NUM_STAGES = 3
+# GQA and MQA: the dK/dV grid grows to this many programs per SM by splitting query-head groups
+# (see _group_splits; BENCHMARKS.md has the sweep behind it).
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -200,12 +205,16 @@ def _dkdv_q_blocks(
 def _attention_bwd_dkdv(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dk_desc, dv_desc,
     num_heads, q_len, kv_len, scale,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GROUP: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """dK and dV of one kv block, over the query heads of its group (GQA), or over one of SPLITS
+    equal parts of them: then dk_desc and dv_desc hold float32 partial sums, one per part."""
     kv_block = tl.program_id(0)
-    bh_kv = tl.program_id(1)  # over batch * kv heads: each kv head serves GROUP query heads
-    b = bh_kv // (num_heads // GROUP)
-    h_kv = bh_kv % (num_heads // GROUP)
+    kv_heads = num_heads // GROUP
+    b = tl.program_id(1) // (kv_heads * SPLITS)  # program_id(1) runs over batch, kv heads, parts
+    part = tl.program_id(1) % (kv_heads * SPLITS)  # this program's row of dk_desc and dv_desc
+    h_kv = part // SPLITS
     kv_first = kv_block * BLOCK_N
     kv_last = tl.minimum(kv_first + BLOCK_N, kv_len) - 1
 
@@ -215,8 +224,8 @@ def _attention_bwd_dkdv(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    for g in range(GROUP):  # a constant trip count: one iteration folds away without GQA
-        h = h_kv * GROUP + g
+    for g in range(GROUP // SPLITS):  # a constant trip count: one iteration folds away without GQA
+        h = part * (GROUP // SPLITS) + g
         # The same tile analysis, transposed: q blocks outside [q_lo, q_hi) see none of these keys;
         # [q_full_lo, q_full_hi) see all of them.
         q_lo = tl.maximum(0, q_len + kv_first - kv_len) // BLOCK_M
@@ -241,8 +250,8 @@ def _attention_bwd_dkdv(
             MASKED=True, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         )
 
-    dk_desc.store([b, h_kv, kv_first, 0], (dk * scale).to(dk_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_D]))
-    dv_desc.store([b, h_kv, kv_first, 0], dv.to(dv_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_DV]))
+    dk_desc.store([b, part, kv_first, 0], (dk * scale).to(dk_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_D]))
+    dv_desc.store([b, part, kv_first, 0], dv.to(dv_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_DV]))
 
 
 @triton.jit
@@ -370,14 +379,45 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         heads, q_len, kv_len, scale, *params, GROUP=group,
         BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
     )
-    grid = (triton.cdiv(kv_len, DKDV_BLOCK_N), batch * (heads // group))
+    kv_heads, kv_blocks = heads // group, triton.cdiv(kv_len, DKDV_BLOCK_N)
+    splits = _group_splits(group, batch * kv_heads * kv_blocks, q.device)
+    if splits > 1:  # each part of a group writes float32 partial sums, added up below
+        dk_parts = torch.empty((batch, kv_heads * splits, kv_len, HEAD_DIM), device=q.device, dtype=torch.float32)
+        dv_parts = torch.empty((batch, kv_heads * splits, kv_len, HEAD_DIM_V), device=q.device, dtype=torch.float32)
+    else:
+        dk_parts, dv_parts = dk, dv
+    grid = (kv_blocks, batch * kv_heads * splits)
     _attention_bwd_dkdv[grid](
         _descriptor(q, DKDV_BLOCK_M), _descriptor(k, DKDV_BLOCK_N), _descriptor(v, DKDV_BLOCK_N, BLOCK_DV),
-        _descriptor(dout, DKDV_BLOCK_M, BLOCK_DV), lse, delta, _descriptor(dk, DKDV_BLOCK_N), _descriptor(dv, DKDV_BLOCK_N, BLOCK_DV),
-        heads, q_len, kv_len, scale, *params, GROUP=group,
+        _descriptor(dout, DKDV_BLOCK_M, BLOCK_DV), lse, delta,
+        _descriptor(dk_parts, DKDV_BLOCK_N), _descriptor(dv_parts, DKDV_BLOCK_N, BLOCK_DV),
+        heads, q_len, kv_len, scale, *params, GROUP=group, SPLITS=splits,
         BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
     )
+    if splits > 1:
+        dk = dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2).to(k.dtype)
+        dv = dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2).to(v.dtype)
     return dq, dk, dv
+
+
+def _group_splits(group, programs, device):
+    """In how many parts the dK/dV kernel splits each kv head's group of query heads (GQA, MQA).
+
+    With one program per kv block and kv head, few kv heads (MQA, or GQA sharded over GPUs) make a
+    grid of few programs, each walking its whole group: SMs idle, and under a causal mask the
+    programs of the first kv blocks, which see the most queries, finish last. Parts of a group get
+    programs of their own, which write float32 partial sums: the fewest parts that make
+    PROGRAMS_PER_SM programs per SM (1: no partial sums, when the unsplit grid has them). Longer
+    sequences make more kv blocks, so fewer parts: the partial sums do not grow with the length.
+    """
+    wanted = PROGRAMS_PER_SM * _sm_count(device)
+    return next((parts for parts in range(1, group + 1) if group % parts == 0 and programs * parts >= wanted), group)
+
+
+@functools.cache
+def _sm_count(device):
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the Triton interpreter on a CPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
@@ -420,6 +460,24 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+class _Attention(torch.autograd.Function):
+    """Eager autograd around the same _forward and _backward: the custom ops' dispatch and checks cost
+    each call tens of microseconds of host time, which calls on short sequences wait for."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, *params):
+        out, lse = _forward(q, k, v, scale, list(params))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.params = scale, params
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):  # an unused output's gradient arrives as zeros
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, ctx.scale, list(ctx.params))
+        return dq, dk, dv, None, *(None for _ in ctx.params)
+
+
 def attention(q, k, v, *, scale=None, return_lse=False, **params):
     """Attention of spec `causal_bottom_right` (mask: q_idx + kv_len - q_len >= kv_idx).
 
@@ -439,7 +497,9 @@ def attention(q, k, v, *, scale=None, return_lse=False, **params):
     values = _check_params(params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    out, lse = torch.ops.attngen.causal_bottom_right_a165068e3a01_fwd(q, k, v, float(scale), *values)
+    # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
+    run = torch.ops.attngen.causal_bottom_right_a165068e3a01_fwd if torch.compiler.is_compiling() else _Attention.apply
+    out, lse = run(q, k, v, float(scale), *values)
     return (out, lse) if return_lse else out
 
 
