@@ -61,6 +61,7 @@ class BoundsPlan:
     full_lo: str
     full_hi: str
     affine: bool
+    reads: frozenset[str]  # the variables the four bounds read (e.g. whether q_last is needed)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class KernelPlan:
     mask: str | None  # tile mask in the target language over q_idx/kv_idx tiles; None: no mask
     score: str | None  # modified score in the target language; None: score unchanged
     score_grad: str | None  # d(modified score)/d(score) in the target language
+    score_grad_reads_score: bool  # False when the derivative is free of the score (e.g. a constant)
     positions_in_score: bool  # whether the score expression reads q_idx/kv_idx
     bounds: BoundsPlan  # kv blocks per q block: forward
     dq_bounds: BoundsPlan  # kv blocks per q block: dQ (its kv step may differ from the forward's)
@@ -170,7 +172,9 @@ def spec_text(spec: Spec, which: str) -> str:
 
 
 def _bounds_plan(bounds: TileBounds, lower) -> BoundsPlan:
-    return BoundsPlan(lower(bounds.lo), lower(bounds.hi), lower(bounds.full_lo), lower(bounds.full_hi), bounds.affine)
+    exprs = (bounds.lo, bounds.hi, bounds.full_lo, bounds.full_hi)
+    reads = frozenset().union(*map(ir.variables, exprs))
+    return BoundsPlan(*map(lower, exprs), bounds.affine, reads)
 
 
 def _digest(spec: Spec) -> str:
@@ -261,6 +265,7 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         mask=lower(mask) if mask is not None else None,
         score=lower(score) if score is not None else None,
         score_grad=lower(score_grad) if score_grad is not None else None,
+        score_grad_reads_score=score_grad is not None and "score" in ir.variables(score_grad),
         positions_in_score=spec.score is not None and ir.reads_positions(spec.score),
         bounds=_bounds_plan(bounds, lower),
         dq_bounds=_bounds_plan(dq_bounds, lower),

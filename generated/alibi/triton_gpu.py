@@ -84,7 +84,6 @@ def _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads):
 @triton.jit
 def _score_grad(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads):
     """d(score expression)/d(score), derived by sympy from the spec."""
-    score = qk * scale
     return 1.0
 
 

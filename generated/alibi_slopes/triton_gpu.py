@@ -102,7 +102,6 @@ def _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_slopes, param_s
 @triton.jit
 def _score_grad(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_slopes, param_slopes_size0):
     """d(score expression)/d(score), derived by sympy from the spec."""
-    score = qk * scale
     return 1.0
 
 

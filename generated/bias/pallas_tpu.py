@@ -40,8 +40,6 @@ _TN = (((0,), (0,)), ((), ()))  # dot_general dims for a.T @ b
 def _tile_bounds(q_block, b, h, q_len, kv_len):
     """kv blocks [kv_lo, kv_hi) may hold visible keys for q block `q_block`; [full_lo, full_hi)
     hold only visible keys. Blocks outside [kv_lo, kv_hi) are EMPTY: skipped and not fetched."""
-    q_first = q_block * BLOCK_Q
-    q_last = jnp.minimum(q_first + BLOCK_Q, q_len) - 1
     kv_lo = 0
     kv_hi = (kv_len + 511) // 512
     full_lo = jnp.minimum(kv_hi, kv_lo)
@@ -52,8 +50,6 @@ def _tile_bounds(q_block, b, h, q_len, kv_len):
 def _key_tile_bounds(kv_block, b, h, q_len, kv_len):
     """The same analysis transposed: q blocks [q_lo, q_hi) may see kv block `kv_block`;
     [q_full_lo, q_full_hi) see all of it."""
-    kv_first = kv_block * BLOCK_KV
-    kv_last = jnp.minimum(kv_first + BLOCK_KV, kv_len) - 1
     q_lo = 0
     q_hi = (q_len + 511) // 512
     q_full_lo = jnp.minimum(q_hi, q_lo)
@@ -75,7 +71,6 @@ def _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, gathered):
 
 def _score_grad(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, gathered):
     """d(score expression)/d(score), derived by sympy from the spec."""
-    score = qk * scale
     return 1.0
 
 
@@ -253,14 +248,14 @@ def _specs(q_len, kv_len, head_dim, head_dim_v, group):
             b, h, _, kv_block = tile(*grid_and_refs)
             return b, h // group, kv_block, 0
 
-        return dict(
-            q=pl.BlockSpec((None, None, BLOCK_Q, head_dim), q_rows),
-            kv=pl.BlockSpec((None, None, BLOCK_KV, head_dim), kv_rows),
-            v=pl.BlockSpec((None, None, BLOCK_KV, head_dim_v), kv_rows),
-            o=pl.BlockSpec((None, None, BLOCK_Q, head_dim_v), q_rows),
-            stat=pl.BlockSpec((None, None, BLOCK_Q, 1), q_rows),  # [BLOCK_Q, 1] per-row statistics (lse, delta)
-            gathered=[_gathered_spec(tile, axes) for _, axes in GATHERED],
-        )
+        return {
+            "q": pl.BlockSpec((None, None, BLOCK_Q, head_dim), q_rows),
+            "kv": pl.BlockSpec((None, None, BLOCK_KV, head_dim), kv_rows),
+            "v": pl.BlockSpec((None, None, BLOCK_KV, head_dim_v), kv_rows),
+            "o": pl.BlockSpec((None, None, BLOCK_Q, head_dim_v), q_rows),
+            "stat": pl.BlockSpec((None, None, BLOCK_Q, 1), q_rows),  # [BLOCK_Q, 1] per-row statistics (lse, delta)
+            "gathered": [_gathered_spec(tile, axes) for _, axes in GATHERED],
+        }
 
     return specs(tile_by_q), specs(tile_by_kv)
 

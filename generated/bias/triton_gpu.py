@@ -108,7 +108,6 @@ def _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_bias, param_bia
 @triton.jit
 def _score_grad(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_bias, param_bias_size0, param_bias_size1, param_bias_size2, param_bias_size3):
     """d(score expression)/d(score), derived by sympy from the spec."""
-    score = qk * scale
     return 1.0
 
 
@@ -153,7 +152,6 @@ def _attention_fwd(
     b = bh // num_heads
     h = bh % num_heads
     q_first = q_block * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, q_len) - 1
 
     # Tile analysis: kv blocks outside [kv_lo, kv_hi) are EMPTY and never touched;
     # [full_lo, full_hi) are FULL and run without mask code.
@@ -244,7 +242,6 @@ def _attention_bwd_dkdv(
     part = tl.program_id(1) % (kv_heads * SPLITS)  # this program's row of dk_desc and dv_desc
     h_kv = part // SPLITS
     kv_first = kv_block * BLOCK_N
-    kv_last = tl.minimum(kv_first + BLOCK_N, kv_len) - 1
 
     kv_idx = (kv_first + tl.arange(0, BLOCK_N))[:, None]
     k = k_desc.load([b, h_kv, kv_first, 0]).reshape([BLOCK_N, BLOCK_D])
@@ -317,7 +314,6 @@ def _attention_bwd_dq(
     b = bh // num_heads
     h = bh % num_heads
     q_first = q_block * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, q_len) - 1
 
     # The forward's tile analysis, for this kernel's kv step.
     kv_lo = 0

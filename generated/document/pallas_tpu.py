@@ -262,14 +262,14 @@ def _specs(q_len, kv_len, head_dim, head_dim_v, group):
             b, h, _, kv_block = tile(*grid_and_refs)
             return b, h // group, kv_block, 0
 
-        return dict(
-            q=pl.BlockSpec((None, None, BLOCK_Q, head_dim), q_rows),
-            kv=pl.BlockSpec((None, None, BLOCK_KV, head_dim), kv_rows),
-            v=pl.BlockSpec((None, None, BLOCK_KV, head_dim_v), kv_rows),
-            o=pl.BlockSpec((None, None, BLOCK_Q, head_dim_v), q_rows),
-            stat=pl.BlockSpec((None, None, BLOCK_Q, 1), q_rows),  # [BLOCK_Q, 1] per-row statistics (lse, delta)
-            gathered=[_gathered_spec(tile, axes) for _, axes in GATHERED],
-        )
+        return {
+            "q": pl.BlockSpec((None, None, BLOCK_Q, head_dim), q_rows),
+            "kv": pl.BlockSpec((None, None, BLOCK_KV, head_dim), kv_rows),
+            "v": pl.BlockSpec((None, None, BLOCK_KV, head_dim_v), kv_rows),
+            "o": pl.BlockSpec((None, None, BLOCK_Q, head_dim_v), q_rows),
+            "stat": pl.BlockSpec((None, None, BLOCK_Q, 1), q_rows),  # [BLOCK_Q, 1] per-row statistics (lse, delta)
+            "gathered": [_gathered_spec(tile, axes) for _, axes in GATHERED],
+        }
 
     return specs(tile_by_q), specs(tile_by_kv)
 
@@ -286,7 +286,6 @@ def _gathered(batch, heads, q_len, kv_len, param_seg_q, param_seg_kv):
     """The tensor elements the tiles read at per-position indices (TPUs have no general gather):
     one array per read, [batch | 1, heads | 1, q_len | 1, kv_len | 1] with 1 where it does not vary."""
     b = lax.broadcasted_iota(jnp.int32, (batch, 1, 1, 1), 0)
-    h = lax.broadcasted_iota(jnp.int32, (1, heads, 1, 1), 1)
     q_idx = lax.broadcasted_iota(jnp.int32, (1, 1, q_len, 1), 2)
     kv_idx = lax.broadcasted_iota(jnp.int32, (1, 1, 1, kv_len), 3)
     sizes = (batch, heads, q_len, kv_len)

@@ -124,7 +124,6 @@ def _attention_fwd(
     b = bh // num_heads
     h = bh % num_heads
     q_first = q_block * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, q_len) - 1
 
     # Tile analysis: kv blocks outside [kv_lo, kv_hi) are EMPTY and never touched;
     # [full_lo, full_hi) are FULL and run without mask code.
@@ -216,7 +215,6 @@ def _attention_bwd_dkdv(
     part = tl.program_id(1) % (kv_heads * SPLITS)  # this program's row of dk_desc and dv_desc
     h_kv = part // SPLITS
     kv_first = kv_block * BLOCK_N
-    kv_last = tl.minimum(kv_first + BLOCK_N, kv_len) - 1
 
     kv_idx = (kv_first + tl.arange(0, BLOCK_N))[:, None]
     k = k_desc.load([b, h_kv, kv_first, 0]).reshape([BLOCK_N, BLOCK_D])
@@ -288,7 +286,6 @@ def _attention_bwd_dq(
     b = bh // num_heads
     h = bh % num_heads
     q_first = q_block * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, q_len) - 1
 
     # The forward's tile analysis, for this kernel's kv step.
     kv_lo = 0

@@ -232,13 +232,13 @@ def _specs(q_len, kv_len, head_dim, head_dim_v, group):
             b, h, _, kv_block = tile(*grid_and_refs)
             return b, h // group, kv_block, 0
 
-        return dict(
-            q=pl.BlockSpec((None, None, BLOCK_Q, head_dim), q_rows),
-            kv=pl.BlockSpec((None, None, BLOCK_KV, head_dim), kv_rows),
-            v=pl.BlockSpec((None, None, BLOCK_KV, head_dim_v), kv_rows),
-            o=pl.BlockSpec((None, None, BLOCK_Q, head_dim_v), q_rows),
-            stat=pl.BlockSpec((None, None, BLOCK_Q, 1), q_rows),  # [BLOCK_Q, 1] per-row statistics (lse, delta)
-        )
+        return {
+            "q": pl.BlockSpec((None, None, BLOCK_Q, head_dim), q_rows),
+            "kv": pl.BlockSpec((None, None, BLOCK_KV, head_dim), kv_rows),
+            "v": pl.BlockSpec((None, None, BLOCK_KV, head_dim_v), kv_rows),
+            "o": pl.BlockSpec((None, None, BLOCK_Q, head_dim_v), q_rows),
+            "stat": pl.BlockSpec((None, None, BLOCK_Q, 1), q_rows),  # [BLOCK_Q, 1] per-row statistics (lse, delta)
+        }
 
     return specs(tile_by_q), specs(tile_by_kv)
 

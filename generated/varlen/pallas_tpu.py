@@ -43,8 +43,6 @@ _TN = (((0,), (0,)), ((), ()))  # dot_general dims for a.T @ b
 def _tile_bounds(q_block, b, h, q_len, kv_len):
     """kv blocks [kv_lo, kv_hi) may hold visible keys for q block `q_block`; [full_lo, full_hi)
     hold only visible keys. Blocks outside [kv_lo, kv_hi) are EMPTY: skipped and not fetched."""
-    q_first = q_block * BLOCK_Q
-    q_last = jnp.minimum(q_first + BLOCK_Q, q_len) - 1
     kv_lo = 0
     kv_hi = (kv_len + 511) // 512
     full_lo = jnp.minimum(kv_hi, kv_lo)
@@ -55,8 +53,6 @@ def _tile_bounds(q_block, b, h, q_len, kv_len):
 def _key_tile_bounds(kv_block, b, h, q_len, kv_len):
     """The same analysis transposed: q blocks [q_lo, q_hi) may see kv block `kv_block`;
     [q_full_lo, q_full_hi) see all of it."""
-    kv_first = kv_block * BLOCK_KV
-    kv_last = jnp.minimum(kv_first + BLOCK_KV, kv_len) - 1
     q_lo = 0
     q_hi = (q_len + 511) // 512
     q_full_lo = jnp.minimum(q_hi, q_lo)
@@ -264,14 +260,14 @@ def _specs(q_len, kv_len, head_dim, head_dim_v, group):
             b, h, _, kv_block = tile(*grid_and_refs)
             return b, h // group, kv_block, 0
 
-        return dict(
-            q=pl.BlockSpec((None, None, BLOCK_Q, head_dim), q_rows),
-            kv=pl.BlockSpec((None, None, BLOCK_KV, head_dim), kv_rows),
-            v=pl.BlockSpec((None, None, BLOCK_KV, head_dim_v), kv_rows),
-            o=pl.BlockSpec((None, None, BLOCK_Q, head_dim_v), q_rows),
-            stat=pl.BlockSpec((None, None, BLOCK_Q, 1), q_rows),  # [BLOCK_Q, 1] per-row statistics (lse, delta)
-            gathered=[_gathered_spec(tile, axes) for _, axes in GATHERED],
-        )
+        return {
+            "q": pl.BlockSpec((None, None, BLOCK_Q, head_dim), q_rows),
+            "kv": pl.BlockSpec((None, None, BLOCK_KV, head_dim), kv_rows),
+            "v": pl.BlockSpec((None, None, BLOCK_KV, head_dim_v), kv_rows),
+            "o": pl.BlockSpec((None, None, BLOCK_Q, head_dim_v), q_rows),
+            "stat": pl.BlockSpec((None, None, BLOCK_Q, 1), q_rows),  # [BLOCK_Q, 1] per-row statistics (lse, delta)
+            "gathered": [_gathered_spec(tile, axes) for _, axes in GATHERED],
+        }
 
     return specs(tile_by_q), specs(tile_by_kv)
 
@@ -290,7 +286,6 @@ def _gathered(batch, heads, q_len, kv_len, param_seq_q, param_seq_kv, param_pos_
     """The tensor elements the tiles read at per-position indices (TPUs have no general gather):
     one array per read, [batch | 1, heads | 1, q_len | 1, kv_len | 1] with 1 where it does not vary."""
     b = lax.broadcasted_iota(jnp.int32, (batch, 1, 1, 1), 0)
-    h = lax.broadcasted_iota(jnp.int32, (1, heads, 1, 1), 1)
     q_idx = lax.broadcasted_iota(jnp.int32, (1, 1, q_len, 1), 2)
     kv_idx = lax.broadcasted_iota(jnp.int32, (1, 1, 1, kv_len), 3)
     sizes = (batch, heads, q_len, kv_len)

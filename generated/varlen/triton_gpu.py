@@ -179,7 +179,6 @@ def _attention_fwd(
     b = bh // num_heads
     h = bh % num_heads
     q_first = q_block * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, q_len) - 1
 
     # The mask reads tensors at each position: the kv blocks to visit come from this call's tables
     # (see _block_tables), a count then block indices for PARTIAL tiles, then for FULL tiles.
@@ -265,7 +264,6 @@ def _attention_bwd_dkdv(
     part = tl.program_id(1) % (kv_heads * SPLITS)  # this program's row of dk_desc and dv_desc
     h_kv = part // SPLITS
     kv_first = kv_block * BLOCK_N
-    kv_last = tl.minimum(kv_first + BLOCK_N, kv_len) - 1
 
     kv_idx = (kv_first + tl.arange(0, BLOCK_N))[:, None]
     k = k_desc.load([b, h_kv, kv_first, 0]).reshape([BLOCK_N, BLOCK_D])
@@ -330,7 +328,6 @@ def _attention_bwd_dq(
     b = bh // num_heads
     h = bh % num_heads
     q_first = q_block * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, q_len) - 1
 
     # The mask reads tensors at each position: the kv blocks to visit come from this call's tables
     # (see _block_tables), a count then block indices for PARTIAL tiles, then for FULL tiles.
