@@ -87,9 +87,11 @@ def _signature(module, kernel: _Kernel, dtype: str):
         else "*fp32"
         for t in kernel.tensors
     )
-    # GROUP = 1: query heads per kv head without GQA (each group size compiles its own kernel)
+    # GROUP = SPLITS = 1: query heads per kv head without GQA, in one part (each group size and
+    # split compiles its own kernel)
     constexpr_values = {
         "GROUP": 1,
+        "SPLITS": 1,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_D": module.BLOCK_D,
