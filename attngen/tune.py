@@ -30,6 +30,7 @@ from attngen.errors import AttngenError
 from attngen.spec import Spec, TritonConfig, retarget
 
 KERNELS = ("fwd", "short", "dq", "dkdv")  # "short": the forward at kv_len <= short_kv_len
+FORWARD_KERNELS = ("fwd", "short")  # timed alone; the others with the whole backward
 TOKENS = 16384  # batch * seq of every timed shape, as in the benchmark grid
 FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3}
 
@@ -174,10 +175,10 @@ def _time_pass(module, w: Workload, kernel: str, seq: int) -> float:
     batch, heads = max(1, TOKENS // seq), max(1, 2048 // w.spec.head_dim)
     dtype = getattr(torch, w.spec.dtype)
     q, k, v = (
-        torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype, requires_grad=kernel != "fwd")
+        torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype, requires_grad=kernel not in FORWARD_KERNELS)
         for d in (w.spec.head_dim, w.spec.head_dim, w.spec.value_dim)
     )
-    if kernel in ("fwd", "short"):
+    if kernel in FORWARD_KERNELS:
         return triton.testing.do_bench(lambda: module.attention(q, k, v, **w.params))
     out = module.attention(q, k, v, **w.params)
     dout = torch.randn_like(out)

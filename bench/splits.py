@@ -33,13 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed import CASES, Row, dense_visible
+from speed import CASES, DTYPE_NAMES, Row, dense_visible
 
 from attngen.build import import_generated, write_package
 from attngen.spec import load_spec, retarget
 from attngen.tune import Rejected, Workload, check_exact
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def measure(module, spec, case, shape: tuple[int, ...], parts: int) -> dict:
@@ -69,7 +67,7 @@ def main() -> None:
     parser.add_argument("--specs", required=True, help="comma-separated case names of bench/speed.py")
     parser.add_argument("--shapes", required=True, help="comma-separated batch.heads.kv_heads.seq")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(".")) for s in args.shapes.split(",")]
@@ -78,7 +76,7 @@ def main() -> None:
     results, lines = [], []
     for name in args.specs.split(","):
         case = by_name[name]
-        spec = retarget(load_spec(ROOT / "specs" / f"{case.spec}.toml"), args.head_dim, DTYPES[args.dtype])
+        spec = retarget(load_spec(ROOT / "specs" / f"{case.spec}.toml"), args.head_dim, DTYPE_NAMES[args.dtype])
         write_package(spec, scratch)
         module = import_generated(scratch / spec.name / "triton_gpu.py", f"attngen_splits_{spec.name}")
         rule = module._group_splits

@@ -35,13 +35,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed import CASES, HEADS_TIMES_DIM, TOKENS, Row, dense_visible
+from speed import CASES, DTYPE_NAMES, HEADS_TIMES_DIM, TOKENS, Row, dense_visible
 
 from attngen.build import import_generated, write_package
 from attngen.spec import load_spec, retarget
 from attngen.tune import Candidate, Rejected, Workload, check_exact
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def build(spec, kernel: str, config: tuple[int, ...], scratch: Path):
@@ -85,7 +83,7 @@ def main() -> None:
     parser.add_argument("--kernel", choices=("fwd", "dq", "dkdv"), default="fwd")
     parser.add_argument("--configs", required=True, help="comma-separated rows.step.num_warps.num_stages")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = parser.parse_args()
     configs = [tuple(int(x) for x in c.split(".")) for c in args.configs.split(",")]
@@ -94,7 +92,7 @@ def main() -> None:
     results = []
     for name in args.cases.split(","):
         case = by_name[name]
-        base = retarget(load_spec(ROOT / "specs" / f"{case.spec}.toml"), args.head_dim, DTYPES[args.dtype])
+        base = retarget(load_spec(ROOT / "specs" / f"{case.spec}.toml"), args.head_dim, DTYPE_NAMES[args.dtype])
         for config in configs:
             spec, module = build(base, args.kernel, config, scratch)
             for seq in map(int, args.seqs.split(",")):

@@ -395,8 +395,8 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
     )
     if splits > 1:
-        dk = dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2).to(k.dtype)
-        dv = dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2).to(v.dtype)
+        dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
+        dv.copy_(dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2))
     return dq, dk, dv
 
 
