@@ -1,9 +1,11 @@
 """attngen: a compiler for tiled (flash) attention variants.
 
 Pipeline (one module or folder per stage, data flows one way):
-    spec.py (TOML -> Spec) -> lang/ (expressions -> AST -> typed IR, ir.py)
-    -> analysis/ (mask -> tile bounds, sympy) -> plan.py (KernelPlan per target, backends/)
-    -> build.py (Jinja templates -> generated/<name>/); reference.py is the float64 oracle.
+    spec/ (TOML -> Spec) -> lang/ (expressions -> AST -> typed IR, ir.py; ir_sympy.py)
+    -> analysis/ (mask -> tile bounds per kernel, score -> derivative; sympy)
+    -> plan.py (KernelPlan per target; each target and its kernels declared in backends/)
+    -> build.py (templates/ -> generated/<name>/) -> check/ (ahead-of-time compile), tune.py.
+reference.py is the float64 oracle, exactness.py the rule that judges kernels against it.
 """
 
 from attngen.errors import AttngenError, SpecError

@@ -10,6 +10,7 @@ caller's decision (the CLI keeps it inside the project); this module writes wher
 
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 import os
 import sys
@@ -26,7 +27,8 @@ from attngen.errors import BuildError, shown_path
 from attngen.plan import HEADER_NOTE, KernelPlan, make_plan
 from attngen.spec import Spec, load_spec
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+# Templates are package data (attngen/templates/), loaded as resources: a wheel install builds too.
+TEMPLATES = importlib.resources.files("attngen") / "templates"
 
 
 # The package's __init__.py, small enough to need no template file (str.format fields).
@@ -48,7 +50,7 @@ class BuiltFile:
 @cache
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
+        loader=jinja2.PackageLoader("attngen", "templates"),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

@@ -1,6 +1,6 @@
 """The oracle: exact attention in float64, evaluated from the same IR as the kernels.
 
-Goals: the contract of DESIGN.md -- mask true = attend; a row with no visible key gives output 0
+Goals: the contract the generated modules document -- mask true = attend; a row with no visible key gives output 0
 and LSE -inf; LSE in natural log; `score` is scale * q.k before the score expression. numpy for
 the forward (attention_ref); torch float64 with autograd for gradients (attention_ref_torch),
 which differentiates the score expression independently of the kernels' sympy derivative.

@@ -24,15 +24,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from attngen.backends.triton_gpu import TUNED_TABLE, TunedEntry, default_config, write_tuned_table
+from attngen.analysis.tiles import BY_KEY_BLOCK
+from attngen.backends.base import Kernel
+from attngen.backends.triton_gpu import (
+    KERNELS,
+    TUNED_TABLE,
+    TritonConfig,
+    TunedEntry,
+    default_config,
+    write_tuned_table,
+)
 from attngen.build import import_generated, write_package
 from attngen.errors import AttngenError
-from attngen.spec import Spec, TritonConfig, retarget
+from attngen.exactness import GRADIENTS, judge
+from attngen.spec import Spec, retarget, with_config
 
-KERNELS = ("fwd", "short", "dq", "dkdv")  # "short": the forward at kv_len <= short_kv_len
-FORWARD_KERNELS = ("fwd", "short")  # timed alone; the others with the whole backward
+# The training family: the forward kernels are timed alone, the others with the whole backward.
+TUNED_KERNELS = tuple(k for k in KERNELS if k.family == "training")
+FORWARD_KERNELS = ("fwd", "fwd_short")
 TOKENS = 16384  # batch * seq of every timed shape, as in the benchmark grid
-FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +55,10 @@ class Candidate:
     warps: int
     stages: int
 
-    def config(self, kernel: str) -> dict[str, int]:
+    def config(self, kernel: Kernel) -> dict[str, int]:
         """As TritonConfig fields of `kernel` (dK/dV holds keys, its block_n, and steps over queries)."""
-        m, n = (self.step, self.rows) if kernel == "dkdv" else (self.rows, self.step)
-        prefix = "" if kernel == "fwd" else f"{kernel}_"  # short_, dq_, dkdv_
+        m, n = (self.step, self.rows) if kernel.walks is BY_KEY_BLOCK else (self.rows, self.step)
+        prefix = kernel.tiles  # "", short_, dq_, dkdv_
         return {f"{prefix}block_m": m, f"{prefix}block_n": n, f"{prefix}num_warps": self.warps,
                 f"{prefix}num_stages": self.stages}  # fmt: skip
 
@@ -94,9 +104,9 @@ def tune(
             names = ", ".join(w.spec.name for w in targets)
             log(f"{dtype} head_dim={head_dim} on {gpu}: {names} at seq {', '.join(map(str, seqs))}")
             config = TritonConfig(**default_config(head_dim, dtype))
-            for kernel in KERNELS:
+            for kernel in TUNED_KERNELS:
                 if not tuner.lengths(kernel, config):
-                    log(f"  {kernel}: no length to tune at (short_kv_len = {config.short_kv_len}); kept")
+                    log(f"  {kernel.name}: no length to tune at (short_kv_len = {config.short_kv_len}); kept")
                     continue
                 best = tuner.search(targets, config, kernel, search_space(quick))
                 config = dataclasses.replace(config, **best.config(kernel))
@@ -114,7 +124,7 @@ class _Tuner:
         self.scratch, self.seqs, self.log = scratch, seqs, log
         self.count = 0
 
-    def search(self, workloads: list[Workload], config: TritonConfig, kernel: str, space) -> Candidate:
+    def search(self, workloads: list[Workload], config: TritonConfig, kernel: Kernel, space) -> Candidate:
         """The candidate with the lowest geometric-mean time of `kernel`'s pass over the workloads."""
         scores = {}
         for i, candidate in enumerate(space, start=1):
@@ -125,39 +135,40 @@ class _Tuner:
                     ms
                     for w in workloads
                     for ms in self._measure(
-                        Workload(dataclasses.replace(w.spec, triton=dataclasses.replace(config, **fields)), w.params),
+                        Workload(with_config(w.spec, "triton_gpu", **{**dataclasses.asdict(config), **fields}), w.params),
                         kernel,
                     )
                 ]
             except Rejected as e:
-                self.log(f"  [{kernel} {i}/{len(space)}] {label}: skipped ({e})")
+                self.log(f"  [{kernel.name} {i}/{len(space)}] {label}: skipped ({e})")
                 continue
             scores[candidate] = math.exp(sum(map(math.log, times)) / len(times))
             shown = " ".join(f"{ms:.3f}" for ms in times)
-            self.log(f"  [{kernel} {i}/{len(space)}] {label}: {scores[candidate]:.3f} ms (geomean of {shown})")
+            self.log(f"  [{kernel.name} {i}/{len(space)}] {label}: {scores[candidate]:.3f} ms (geomean of {shown})")
         if not scores:
-            raise AttngenError(f"no {kernel} candidate compiled and was exact")
+            raise AttngenError(f"no {kernel.name} candidate compiled and was exact")
         return min(scores, key=scores.get)
 
-    def lengths(self, kernel: str, config: TritonConfig) -> list[int]:
+    def lengths(self, kernel: Kernel, config: TritonConfig) -> list[int]:
         """The sequence lengths `kernel`'s configuration runs at: the short forward serves those up
         to short_kv_len, the forward the longer ones, the backward kernels all."""
-        if kernel == "short":
+        if kernel.name == "fwd_short":
             return [n for n in self.seqs if n <= config.short_kv_len]
-        if kernel == "fwd":
+        if kernel.name == "fwd":
             return [n for n in self.seqs if n > config.short_kv_len]
         return self.seqs
 
-    def _measure(self, w: Workload, kernel: str) -> list[float]:
-        """Median ms of the forward (kernels "fwd", "short") or of the whole backward, per length."""
+    def _measure(self, w: Workload, kernel: Kernel) -> list[float]:
+        """Median ms of the forward (kernels "fwd", "fwd_short") or of the whole backward, per length."""
         import triton
 
         module = self._load(w.spec)
-        short_kv_len = w.spec.triton.short_kv_len
+        config = w.spec.config("triton_gpu")
         # Checked at a length the candidate's kernel serves (the short forward or the long one).
-        check_exact(module, w, {"fwd": short_kv_len + 512, "short": min(512, short_kv_len)}.get(kernel, 512))
+        seq = {"fwd": config.short_kv_len + 512, "fwd_short": min(512, config.short_kv_len)}.get(kernel.name, 512)
+        check_exact(module, w, seq)
         try:
-            return [_time_pass(module, w, kernel, seq) for seq in self.lengths(kernel, w.spec.triton)]
+            return [_time_pass(module, w, kernel.name, seq) for seq in self.lengths(kernel, config)]
         except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
             raise Rejected(str(e).strip().splitlines()[0][:120]) from e
 
@@ -187,8 +198,8 @@ def _time_pass(module, w: Workload, kernel: str, seq: int) -> float:
 
 
 def check_exact(module, w: Workload, seq: int = 512, heads: int = 2, kv_heads: int = 2) -> None:
-    """Raise Rejected unless out, dq, dk and dv match the float64 reference by the FlashAttention
-    rule: within twice the error of the same computation in the kernel's dtype, plus a floor."""
+    """Raise Rejected unless out, dq, dk and dv match the float64 reference by attngen.exactness's
+    rule (the FlashAttention rule), the same computation in the kernel's dtype as the baseline."""
     import torch
 
     from attngen.reference import attention_ref_torch
@@ -209,11 +220,14 @@ def check_exact(module, w: Workload, seq: int = 512, heads: int = 2, kv_heads: i
         _out_and_grads(lambda *x, d=d: attention_ref_torch(w.spec, *x, dtype=d, **w.params)[0], q, k, v, dout)
         for d in (torch.float64, dtype)
     )
-    for name, x, ref, peer in zip(("out", "dq", "dk", "dv"), ours, exact, same_precision):
-        err = (x.double() - ref).abs().max().item()
-        allowed = 2 * (peer.double() - ref).abs().max().item() + FLOOR[w.spec.dtype] * max(1.0, ref.abs().max().item())
-        if not err <= allowed:  # NaN fails too
-            raise Rejected(f"not exact: {name} error {err:.2e} > {allowed:.2e} (seed {seed})")
+    errors, baseline, magnitudes = {}, {}, {}
+    for name, x, ref, peer in zip(("out", *GRADIENTS), ours, exact, same_precision):
+        errors[name] = (x.double() - ref).abs().max().item()
+        baseline[name] = (peer.double() - ref).abs().max().item()
+        magnitudes[name] = ref.abs().max().item()
+    verdict = judge(w.spec.dtype, errors, baseline, magnitudes)
+    if not verdict.ok:  # NaN fails too
+        raise Rejected(f"not exact: {verdict.message} (seed {seed})")
 
 
 def _out_and_grads(fn, q, k, v, dout):

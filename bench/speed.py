@@ -6,8 +6,8 @@ dim D and sequence length N, in one process:
 1. Exactness. Ours and every peer run forward and forward+backward at the case's full shape; out, dq, dk
    and dv are compared with a float64 reference (attngen.reference, torch autograd) on a slice: batch 0,
    the first two heads, all N rows (heads are independent; the reference is computed one head at a time,
-   so N=16k needs a few GB). Ours is exact when each error <= 2 x the same-precision peer's error
-   + floor (1e-4 fp16, 1e-3 bf16) x max(1, |ref|), as in bench/h200_exactness.py; the peer is SDPA flash
+   so N=16k needs a few GB). Ours is exact by attngen.exactness.judge: each error <= 2 x the same-precision
+   peer's error + the dtype's floor (FLOOR for out, GRAD_FLOOR x max(1, |ref|) for dq, dk, dv); the peer is SDPA flash
    (FA2) where SDPA can express the mask, else cuDNN, else FlexAttention, else the reference run in the
    dtype. A peer is trusted when its error <= 5% of max(1, |ref|) (beyond that it computes another mask,
    not rounding). What fails is reported (FAIL / WRONG) and not timed.
@@ -81,13 +81,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from attngen.build import import_generated, write_package
+from attngen.exactness import judge
 from attngen.reference import attention_ref_torch, evaluate, positions
 from attngen.spec import Spec, load_spec, retarget
 
 TOKENS = 16384  # B * N of every grid row
 HEADS_TIMES_DIM = 2048  # H * D: 32 heads at D=64, 16 at D=128
 REF_HEADS = 2  # heads of batch 0 checked against float64
-FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
 PEER_SANITY = 0.05  # a peer further than this x max(1, |ref|) from float64 computes another mask, not rounding
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "bfloat16": "bfloat16", "float16": "float16"}
 SHORT = {"bfloat16": "bf16", "float16": "fp16"}
@@ -539,9 +539,10 @@ def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
             else:
                 peer_errors = results[peer][mode]["errors"]
             rule_peer[mode] = peer
-            failed = [n for n, err in entry["errors"].items() if err > 2 * peer_errors[n] + FLOOR[row.dtype] * scale[n]]
-            if failed:
-                entry.update(status="FAIL", note=f"{', '.join(failed)} beyond 2x {peer} + floor")
+            verdict = judge(row.dtype, entry["errors"], peer_errors, scale)
+            entry["allowed"] = verdict.allowed
+            if not verdict.ok:  # NaN fails too
+                entry.update(status="FAIL", note=f"{', '.join(verdict.failed)} beyond 2x {peer} + floor")
 
     # Speed, of what ran and is exact.
     timed = {
@@ -795,7 +796,7 @@ def main() -> None:
         sys.exit("no CUDA GPU: run with --smoke (and TRITON_INTERPRET=1) to check the script on a CPU")
     if args.smoke:
         # bf16 tl.dot is wrong in the interpreter (triton-lang/triton#11584): the tests' workaround.
-        from tests.harness import fix_interpreter_bf16_dot
+        from attngen.testing import fix_interpreter_bf16_dot
 
         fix_interpreter_bf16_dot()
     elif hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):

@@ -2,11 +2,11 @@
 
 For each case of bench/speed.py (its spec, its params and its grid shape: B·N = 16k, H·D = 2048), each
 sequence length and each configuration given, the spec is built with that configuration for one kernel
-(fwd, dq or dkdv; the others as the spec has them), checked against the float64 reference
+(fwd, bwd_dq or bwd_dkdv; the others as the spec has them), checked against the float64 reference
 (attngen.tune.check_exact: out, dq, dk, dv on fresh inputs, N = 512), then timed with
-triton.testing.do_bench (median): the forward alone for fwd, forward + backward for dq and dkdv.
+triton.testing.do_bench (median): the forward alone for fwd, forward + backward for bwd_dq and bwd_dkdv.
 A configuration is rows.step.num_warps.num_stages as `attngen tune` names them (attngen.tune.Candidate):
-the block a program holds, the block it steps over (for fwd and dq: block_m.block_n; for dkdv the keys
+the block a program holds, the block it steps over (for fwd and bwd_dq: block_m.block_n; for bwd_dkdv the keys
 held, then the query step). With --kernel fwd the configuration serves every length (short_kv_len = 0).
 `attngen tune` searches a whole space and keeps a geometric mean; this script shows each case on its own.
 
@@ -37,18 +37,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from speed import CASES, DTYPE_NAMES, HEADS_TIMES_DIM, TOKENS, Row, dense_visible
 
+from attngen.backends.triton_gpu import TRITON_GPU
 from attngen.build import import_generated, write_package
-from attngen.spec import load_spec, retarget
+from attngen.spec import load_spec, retarget, with_config
 from attngen.tune import Candidate, Rejected, Workload, check_exact
 
 
 def build(spec, kernel: str, config: tuple[int, ...], scratch: Path):
     """The spec with `config` for `kernel`, built and imported."""
-    fields = Candidate(*config).config(kernel)
+    fields = Candidate(*config).config(TRITON_GPU.kernel(kernel))
     if kernel == "fwd":
         fields["short_kv_len"] = 0
     tag = f"{spec.name}_{kernel}_{'_'.join(map(str, config))}"
-    spec = dataclasses.replace(spec, name=tag, triton=dataclasses.replace(spec.triton, **fields))
+    spec = dataclasses.replace(with_config(spec, "triton_gpu", **fields), name=tag)
     write_package(spec, scratch)
     return spec, import_generated(scratch / tag / "triton_gpu.py", f"attngen_tiles_{tag}")
 
@@ -80,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", required=True, help="comma-separated case names of bench/speed.py")
     parser.add_argument("--seqs", default="16384")
-    parser.add_argument("--kernel", choices=("fwd", "dq", "dkdv"), default="fwd")
+    parser.add_argument("--kernel", choices=("fwd", "bwd_dq", "bwd_dkdv"), default="fwd")
     parser.add_argument("--configs", required=True, help="comma-separated rows.step.num_warps.num_stages")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")

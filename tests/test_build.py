@@ -279,3 +279,39 @@ def test_cli_debug_shows_the_traceback_of_an_error(project, capsys):
     assert main(["--debug", "build", "causal.toml", "--out", "/"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "outside the project" in err
+
+
+def test_a_wheel_carries_what_attngen_build_reads(tmp_path):
+    """Templates, the grammar and the tuned table are package data: a wheel installed anywhere
+    builds a spec from a folder outside the repo (no file of the checkout is read)."""
+    # Built from a copy of the sources: setuptools reuses an in-tree build/ folder, stale files too.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "attngen", source / "attngen", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source)
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", wheels, source],
+        check=True,
+        cwd=tmp_path,
+    )
+    (wheel,) = wheels.glob("attngen-*.whl")
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", site, wheel], check=True
+    )
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "specs").mkdir(parents=True)
+    shutil.copy(ROOT / "specs" / "causal.toml", elsewhere / "specs")
+    # -I: isolated mode (no user site, no PYTHONPATH, no working directory on sys.path); the wheel
+    # comes first on sys.path, ahead of the checkout's editable install.
+    script = (
+        f"import sys; sys.path.insert(0, {str(site)!r}); import attngen.cli; "
+        f"assert attngen.cli.__file__.startswith({str(site)!r}), attngen.cli.__file__; "
+        "sys.exit(attngen.cli.main(['build', 'specs/causal.toml', '--out', 'out']))"
+    )
+    subprocess.run([sys.executable, "-I", "-c", script], check=True, cwd=elsewhere)
+    built = sorted(p.name for p in (elsewhere / "out" / "causal").iterdir())
+    assert built == ["__init__.py", "pallas_tpu.py", "triton_gpu.py"]
+    committed = (ROOT / "generated" / "causal" / "triton_gpu.py").read_text()
+    assert (elsewhere / "out" / "causal" / "triton_gpu.py").read_text() == committed

@@ -1,6 +1,5 @@
 """attngen check: ahead-of-time compiles for sm90/sm80 (Triton) and TPU v5e/v5p/v6e (Mosaic)."""
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -8,7 +7,7 @@ from hypothesis import given, settings
 
 from attngen.check import TARGET_NAMES, check_spec
 from attngen.cli import main
-from attngen.spec import PallasTpuConfig, load_spec, parse_spec
+from attngen.spec import load_spec, parse_spec, with_config
 from tests import harness
 from tests.strategies import specs
 from tests.test_triton import SPECS
@@ -19,7 +18,7 @@ def test_specs_compile_for_every_target(spec_file):
     spec = load_spec(spec_file)
     findings = check_spec(spec)
     assert {f.target for f in findings} == set(TARGET_NAMES)
-    short = {"fwd_short"} if spec.triton.short_kv_len else set()
+    short = {"fwd_short"} if spec.config("triton_gpu").short_kv_len else set()
     assert {f.kernel for f in findings} == {"fwd", "bwd_dq", "bwd_dkdv", "bwd"} | short
     failures = [f.line() for f in findings if not f.ok]
     assert not failures, failures
@@ -51,7 +50,7 @@ def test_scoped_vmem_overflow_is_one_clear_line():
     with pytest.raises(Exception, match=r"needs about 43.0 MiB of VMEM .* the scoped limit is 16 MiB"):
         parse_spec('name = "big"\nhead_dim = 128\n[pallas_tpu]\nblock_q = 2048\nblock_kv = 4096\n', "big.toml")
     spec = load_spec("specs/causal.toml")
-    spec = dataclasses.replace(spec, pallas_tpu=PallasTpuConfig(block_q=2048, block_kv=4096))
+    spec = with_config(spec, "pallas_tpu", block_q=2048, block_kv=4096)
     (fwd, _) = check_spec(spec, ("tpu-v5e",))
     assert not fwd.ok and fwd.line().startswith("FAIL tpu-v5e fwd (block_q=2048 block_kv=4096): scoped VMEM")
     assert "limit 16.00MB" in fwd.problem and "estimate 43.0 MiB" in fwd.problem

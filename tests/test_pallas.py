@@ -1,13 +1,12 @@
 """Generated Pallas TPU kernels, run on the CPU in interpret mode, against the float64 oracle:
 forward, gradients through jax.custom_vjp, and jit / grad / vmap."""
 
-import dataclasses
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from attngen.spec import load_spec
+from attngen.spec import load_spec, with_config
 from tests import harness
 from tests.test_triton import DRAWN, SPECS
 
@@ -28,7 +27,7 @@ def _races_found() -> bool:
 
 def _small_blocks(spec):
     """Blocks small enough for EMPTY, PARTIAL and FULL tiles and tails at test lengths."""
-    return dataclasses.replace(spec, pallas_tpu=dataclasses.replace(spec.pallas_tpu, block_q=64, block_kv=128))
+    return with_config(spec, "pallas_tpu", block_q=64, block_kv=128)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from attngen.backends.pallas_tpu import PallasTpuConfig
 from attngen.backends.triton_gpu import default_config
 from attngen.errors import SpecError
-from attngen.spec import CAUSAL_MASK, MAX_SPEC_BYTES, PallasTpuConfig, load_spec, parse_spec, retarget
+from attngen.spec import CAUSAL_MASK, MAX_SPEC_BYTES, load_spec, parse_spec, retarget
 
 GOOD = 'name = "ok"\nhead_dim = 64\n'
 
@@ -22,7 +23,7 @@ def problems(text: str) -> list[str]:
 def test_defaults_and_causal_shorthand():
     spec = parse_spec(GOOD + "[mask]\ncausal = true\n", "s.toml")
     assert spec.dtype == "bfloat16" and spec.mask_source == CAUSAL_MASK
-    assert spec.pallas_tpu == PallasTpuConfig()  # (unset [triton] keys come from the tuned table)
+    assert spec.config("pallas_tpu") == PallasTpuConfig()  # (unset [triton] keys come from the tuned table)
     assert spec.score is None and spec.params == ()
     assert parse_spec(GOOD, "s.toml").mask is None
 
@@ -73,11 +74,13 @@ def test_short_forward_tiles():
     """Unpinned specs take the tuned table's short-sequence forward; forward tiles pinned without
     short_* keys hold at every length (also after retargeting); a negative length is an error."""
     table = default_config(64, "bfloat16")
-    assert parse_spec(GOOD, "s.toml").triton.short_kv_len == table["short_kv_len"] > 0
+    assert parse_spec(GOOD, "s.toml").config("triton_gpu").short_kv_len == table["short_kv_len"] > 0
     pinned = parse_spec(GOOD + "[triton]\nblock_m = 64\n", "s.toml")
-    assert pinned.triton.short_kv_len == 0 and retarget(pinned, 64, "float16").triton.short_kv_len == 0
+    assert pinned.config("triton_gpu").short_kv_len == 0
+    assert retarget(pinned, 64, "float16").config("triton_gpu").short_kv_len == 0
     both = parse_spec(GOOD + "[triton]\nnum_warps = 4\nshort_kv_len = 512\nshort_block_m = 32\n", "s.toml")
-    assert (both.triton.short_kv_len, both.triton.short_block_m, both.triton.num_warps) == (512, 32, 4)
+    config = both.config("triton_gpu")
+    assert (config.short_kv_len, config.short_block_m, config.num_warps) == (512, 32, 4)
     (rendered,) = problems(GOOD + "[triton]\nshort_kv_len = -1\n")
     assert rendered.startswith("s.toml:4:1:") and "short_kv_len must be in 0..2**31-1" in rendered
 

@@ -2,13 +2,12 @@
 variants coincide: same inputs, TPU interpret mode, forward and gradients; and all of them
 through the real Mosaic compile for TPU v5e at the same shapes."""
 
-import dataclasses
 import functools
 
 import numpy as np
 import pytest
 
-from attngen.spec import load_spec
+from attngen.spec import load_spec, with_config
 from tests import harness
 
 LENGTH, HEADS, HEAD_DIM, WINDOW, SOFTCAP = 512, 2, 128, 100, 20.0
@@ -43,7 +42,7 @@ def _splash(mask_kind, soft_cap, interpret):
 
 def _ours(name):
     spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "float32")
-    spec = dataclasses.replace(spec, pallas_tpu=dataclasses.replace(spec.pallas_tpu, block_q=128, block_kv=128))
+    spec = with_config(spec, "pallas_tpu", block_q=128, block_kv=128)
     return harness.load_target(spec, "pallas_tpu")
 
 
@@ -119,10 +118,7 @@ def test_all_compile_for_tpu_v5e():
     assert device is not None, "libtpu is not installed"
     sharding = jax.sharding.SingleDeviceSharding(device)
     x = jax.ShapeDtypeStruct((1, HEADS, LENGTH, HEAD_DIM), jnp.bfloat16, sharding=sharding)
-    spec = dataclasses.replace(
-        load_spec("specs/causal.toml"),
-        pallas_tpu=dataclasses.replace(load_spec("specs/causal.toml").pallas_tpu, block_q=128, block_kv=128),
-    )
+    spec = with_config(load_spec("specs/causal.toml"), "pallas_tpu", block_q=128, block_kv=128)
     ours = harness.load_target(spec, "pallas_tpu").attention
     splash = _splash("causal", None, interpret=False)
     from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash

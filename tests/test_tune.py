@@ -7,21 +7,24 @@ from pathlib import Path
 import pytest
 
 from attngen.backends import triton_gpu
-from attngen.backends.triton_gpu import TunedEntry, default_config, write_tuned_table
+from attngen.backends.triton_gpu import KERNELS, TRITON_GPU, TritonConfig, TunedEntry, default_config, write_tuned_table
 from attngen.cli import main
-from attngen.spec import TritonConfig, load_spec, retarget
-from attngen.tune import KERNELS, Candidate, search_space
+from attngen.spec import load_spec, retarget
+from attngen.tune import Candidate, search_space
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 
 
 def test_candidates_name_each_kernels_fields():
     c = Candidate(rows=128, step=32, warps=8, stages=3)
-    assert c.config("fwd") == {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 3}
-    assert c.config("dq") == {"dq_block_m": 128, "dq_block_n": 32, "dq_num_warps": 8, "dq_num_stages": 3}
+    kernel = TRITON_GPU.kernel
+    assert c.config(kernel("fwd")) == {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 3}
+    assert c.config(kernel("bwd_dq")) == {"dq_block_m": 128, "dq_block_n": 32, "dq_num_warps": 8, "dq_num_stages": 3}
     # dK/dV holds keys (its block_n) and steps over queries (its block_m)
-    assert c.config("dkdv") == {"dkdv_block_m": 32, "dkdv_block_n": 128, "dkdv_num_warps": 8, "dkdv_num_stages": 3}
-    assert c.config("short") == {"short_block_m": 128, "short_block_n": 32, "short_num_warps": 8, "short_num_stages": 3}
+    dkdv = {"dkdv_block_m": 32, "dkdv_block_n": 128, "dkdv_num_warps": 8, "dkdv_num_stages": 3}
+    assert c.config(kernel("bwd_dkdv")) == dkdv
+    short = {"short_block_m": 128, "short_block_n": 32, "short_num_warps": 8, "short_num_stages": 3}
+    assert c.config(kernel("fwd_short")) == short
     fields = {f.name for f in dataclasses.fields(TritonConfig)}
     assert set().union(*(c.config(k) for k in KERNELS)) == fields - {"short_kv_len"}  # a length, not searched
 
@@ -61,10 +64,10 @@ def test_retarget_keeps_pinned_keys_and_redefaults_the_rest(tmp_path):
     spec_file = tmp_path / "s.toml"
     spec_file.write_text('name = "s"\nhead_dim = 128\n[triton]\nnum_stages = 2\n')
     spec = load_spec(spec_file)
-    assert spec.triton_pinned == ("num_stages",)
-    small = retarget(spec, 64, "float16")
-    assert small.triton.num_stages == 2
-    assert small.triton.block_n == default_config(64, "float16")["block_n"]
+    assert spec.tables["triton_gpu"] == {"num_stages": 2}
+    small = retarget(spec, 64, "float16").config("triton_gpu")
+    assert small.num_stages == 2
+    assert small.block_n == default_config(64, "float16")["block_n"]
 
 
 def test_tune_needs_a_gpu_and_every_param(capsys):

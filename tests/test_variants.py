@@ -7,7 +7,6 @@ PARTIAL and FULL tiles and tails. ATTNGEN_VARIANT_EXAMPLES sets the examples per
 (default 2; the closing notes of issue 6 report a run with more).
 """
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attngen.spec import load_spec
+from attngen.spec import load_spec, with_config
 from tests import harness
 
 SPECS = sorted(Path(__file__).resolve().parent.parent.joinpath("specs").glob("*.toml"))
@@ -49,8 +48,8 @@ def problems(draw):
 
 def small_tiles(spec, target: str):
     if target == "triton":
-        return dataclasses.replace(spec, triton=dataclasses.replace(spec.triton, **SMALL_TRITON_TILES))
-    return dataclasses.replace(spec, pallas_tpu=dataclasses.replace(spec.pallas_tpu, block_q=64, block_kv=128))
+        return with_config(spec, "triton_gpu", **SMALL_TRITON_TILES)
+    return with_config(spec, "pallas_tpu", block_q=64, block_kv=128)
 
 
 @pytest.mark.parametrize("target", sorted(harness.TARGETS))

@@ -16,9 +16,9 @@ from functools import reduce
 import sympy
 
 from attngen import ir
-from attngen.analysis.tiles import is_tensor_load, to_sympy
 from attngen.errors import AttngenError
 from attngen.ir import Type, VarKind
+from attngen.ir_sympy import is_tensor_load, to_sympy
 
 SCORE = sympy.Symbol("score", real=True)
 

@@ -1,34 +1,147 @@
-"""What a target is: a name, the file it writes, its template and how it spells expressions."""
+"""What a target is: its config table, its kernels, its templates and how it spells expressions.
+
+A target owns everything about itself that the rest of attngen reads: the keys of its table in
+a spec ([triton], [pallas_tpu]) with their defaults and checks, the list of its kernels (each
+declared once, here, for the plan, the templates, `attngen check`, `attngen tune` and the tests),
+and its expression dialect. spec/, plan.py and build.py know targets only through this
+interface.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+from attngen.analysis.tiles import Orientation
 from attngen.backends.emit import Dialect
+
+
+@dataclass(frozen=True)
+class ProblemShape:
+    """What a target's config may depend on: the spec's head dims and dtype."""
+
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+
+    @property
+    def widest(self) -> int:
+        return max(self.head_dim, self.head_dim_v)
+
+
+class Report(Protocol):
+    """Where a target's config check reports a problem: at `key` of its table (None: the table)."""
+
+    def __call__(self, message: str, key: str | None = None, hint: str | None = None) -> None: ...
+
+
+class Counted:
+    """A Report that counts the problems it passes on: a config check gives None if any."""
+
+    def __init__(self, report: Report):
+        self.report, self.count = report, 0
+
+    def __call__(self, message: str, key: str | None = None, hint: str | None = None) -> None:
+        self.count += 1
+        self.report(message, key, hint)
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A runtime argument of a GPU kernel, as a launch on contiguous inputs specialises it.
+
+    kind: "desc" a tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width]
+    tiles (rows: the kernel's constexpr naming them; width: "d" head_dim or "dv" head_dim_v), or a
+    Triton type: "*fp32" (a pointer), "i32", "fp32". divisible: the value is a multiple of 16 (a
+    pointer: 16-byte aligned), which the compiler may assume.
+    """
+
+    kind: str
+    rows: str = ""
+    width: str = "d"
+    divisible: bool = False
+
+
+def desc(rows: str, width: str = "d") -> Arg:
+    return Arg("desc", rows, width)
+
+
+F32_POINTER = Arg("*fp32", divisible=True)
+I32 = Arg("i32")
+FP32 = Arg("fp32")
+# The arguments every attention kernel takes after its tensors.
+PROBLEM_ARGS = (("num_heads", Arg("i32", divisible=True)), ("q_len", I32), ("kv_len", I32), ("scale", FP32))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a target, declared once: the plan gives it tile bounds, its template defines
+    it, `attngen check` compiles it, `attngen tune` times it, the tests name it.
+
+    A kernel that serves several tile configurations (the forward's short-sequence tiles) is
+    declared once per configuration, under the same function.
+    """
+
+    name: str  # how reports and the tuned table name it: "fwd", "fwd_short", "bwd_dq", ...
+    family: str  # the kernels that serve one entry point together: "training" (attention, its backward)
+    function: str  # its function in the generated module
+    template: str  # the template file that defines it, under templates/<target>/
+    about: str  # one line for generated code and reports: what it computes, what its tiles are
+    walks: Orientation  # which tile bounds its loop reads: kv blocks per q block, or q blocks per kv block
+    step: str  # the block size its loop steps by: a config key, or a constexpr name (see Backend.symbolic_blocks)
+    tiles: str = ""  # its keys' prefix in the config table (Triton: "", "short_", "dq_", "dkdv_")
+    # GPU kernels: the runtime arguments, by name, in order; the spec's params (and block tables)
+    # follow them. The template renders the signature from this list, and `attngen check`
+    # specialises each argument by its declaration.
+    arguments: tuple[tuple[str, Arg], ...] = ()
+    # Constexprs fixed when compiling ahead of time without a launch (GQA group of 1, no split).
+    constexprs: tuple[tuple[str, int], ...] = ()
+    # When a kernel serves only some launches (the short forward): the config key that turns it on.
+    enabled_by: str | None = None
+
+    def argument(self, name: str) -> Arg | None:
+        return dict(self.arguments).get(name)
+
+    @property
+    def tensor_names(self) -> str:
+        """The declared tensor arguments (descriptors, pointers) as a signature spells them."""
+        return ", ".join(name for name, arg in self.arguments if arg.kind == "desc" or arg.kind.startswith("*"))
+
+    @property
+    def scalar_names(self) -> str:
+        """The declared scalar arguments as a signature spells them: "num_heads, q_len, ..."."""
+        return ", ".join(name for name, arg in self.arguments if arg.kind != "desc" and not arg.kind.startswith("*"))
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str  # e.g. "triton_gpu"; also the module name in the generated package
-    template: str  # path under templates/
+    template: str  # the module's template under templates/ (it includes each kernel's template)
     dialect: Dialect  # templates name q_idx, kv_idx, b, h, score and the tile variables as the IR does
     param_prefix: str  # kernels read param `x` as f"{param_prefix}{x}" (never shadows a name)
-    # Which config fields size the blocks a tile analysis depends on: the kv step of the forward
-    # and of the dQ kernel (per q block), and the q step of the dK/dV kernel (per kv block).
-    block_kv_key: str
-    dq_block_kv_key: str
-    dkdv_block_q_key: str
-    # Or, where the kernels take block sizes as compile-time arguments, the names of those
-    # arguments in the same order: the bounds then read them, and a launch may pick the sizes.
-    block_names: tuple[str, str, str] | None
+    kernels: tuple[Kernel, ...]
+    # The spec's table for this target, e.g. "triton": its keys and their types (int only today).
+    config_table: str
+    config_keys: tuple[str, ...]
+    # (the table's values, the spec's shape, where to report) -> the config object the plan and
+    # templates read, with unset keys defaulted; problems go to `report` and give None, and so
+    # does a shape of None (a spec with other problems: the values are checked, nothing more).
+    make_config: Callable[[dict[str, int], ProblemShape | None, Report], Any]
+    # Whether the kernels take their block sizes as compile-time arguments (Triton constexprs):
+    # then tile bounds read a kernel's `step` as a name and one kernel serves every tile size.
+    symbolic_blocks: bool
     helper_functions: frozenset[str]  # dialect functions the template defines only when used
     # What a kernel takes for a tensor param: (its name in kernels, its rank) -> argument names.
     tensor_args: Callable[[str, int], tuple[str, ...]]
     # Whether loads at per-position indices (q_idx, kv_idx) are materialised before the kernels
     # into score-shaped tiles (TPUs have no general gather), rather than read in the kernels.
     gathers_position_loads: bool
+    array_module: str  # what the generated module calls its array library: "torch", "jnp"
 
     @property
     def filename(self) -> str:
         return f"{self.name}.py"
+
+    def kernel(self, name: str) -> Kernel:
+        return next(k for k in self.kernels if k.name == name)

@@ -1,11 +1,100 @@
-"""Target: Pallas for TPUs (Mosaic), on jax arrays."""
+"""Target: Pallas for TPUs (Mosaic), on jax arrays.
 
-from attngen.backends.base import Backend
+Owns the [pallas_tpu] table (keys, checks, a scoped-VMEM estimate) and declares the Pallas
+kernels: the forward, the dQ kernel and the dK/dV kernel.
+"""
+
+from dataclasses import dataclass, fields
+
+from attngen.analysis.tiles import BY_KEY_BLOCK, BY_QUERY_BLOCK
+from attngen.backends.base import Backend, Counted, Kernel, ProblemShape, Report
 from attngen.backends.emit import Dialect
+
+
+@dataclass(frozen=True)
+class PallasTpuConfig:
+    block_q: int = 512
+    block_kv: int = 512
+    vmem_limit_bytes: int | None = None  # None: Mosaic's default scoped VMEM limit
+
+
+CONFIG_KEYS = tuple(f.name for f in fields(PallasTpuConfig))
+
+# Each kernel declared once. `attngen check` compiles them through the module's jitted entry
+# points: _forward, and _backward (dQ and dK/dV under one jax.jit).
+KERNELS = (
+    Kernel(
+        "fwd",
+        "training",
+        "_fwd_kernel",
+        "fwd.py.jinja",
+        "Forward: a q block per program row, kv blocks reduced.",
+        BY_QUERY_BLOCK,
+        "block_kv",
+    ),
+    Kernel(
+        "bwd_dq",
+        "training",
+        "_dq_kernel",
+        "bwd_dq.py.jinja",
+        "Backward, dQ: kv blocks reduced per q block.",
+        BY_QUERY_BLOCK,
+        "block_kv",
+    ),
+    Kernel(
+        "bwd_dkdv",
+        "training",
+        "_dkdv_kernel",
+        "bwd_dkdv.py.jinja",
+        "Backward, dK/dV: q blocks reduced per kv block.",
+        BY_KEY_BLOCK,
+        "block_q",
+    ),
+)
+
+
+def make_config(table: dict[str, int], shape: ProblemShape | None, report: Report) -> PallasTpuConfig | None:
+    """The [pallas_tpu] keys a spec sets, checked against the TPU's tiling and scoped VMEM."""
+    report = Counted(report)
+    # TPU tiles are (8 sublanes, 128 lanes): q rows are a sublane dim, kv a lane dim of the scores.
+    if "block_q" in table and not (table["block_q"] % 8 == 0 and 8 <= table["block_q"] <= 4096):
+        report(
+            f"pallas_tpu block_q must be a multiple of 8 in 8..4096, got {table['block_q']}",
+            "block_q",
+            "TPU blocks are tiled by (8, 128)",
+        )
+    if "block_kv" in table and not (table["block_kv"] % 128 == 0 and 128 <= table["block_kv"] <= 4096):
+        report(
+            f"pallas_tpu block_kv must be a multiple of 128 in 128..4096, got {table['block_kv']}",
+            "block_kv",
+            "TPU blocks are tiled by (8, 128)",
+        )
+    if "vmem_limit_bytes" in table and not 1 << 20 <= table["vmem_limit_bytes"] <= 128 << 20:
+        report(
+            "pallas_tpu vmem_limit_bytes must be in 1 MiB..128 MiB",
+            "vmem_limit_bytes",
+            "e.g. vmem_limit_bytes = 33554432 (32 MiB)",
+        )
+    if report.count or shape is None:  # (no shape: a spec with other problems; values checked only)
+        return None
+    config = PallasTpuConfig(**table)
+    limit = config.vmem_limit_bytes or DEFAULT_VMEM_LIMIT
+    itemsize = 4 if shape.dtype == "float32" else 2
+    for kernel, need in vmem_estimate(config.block_q, config.block_kv, shape.widest, itemsize).items():
+        if need > limit:
+            report(
+                f"the Pallas {kernel} kernel needs about {need / 2**20:.1f} MiB of VMEM with block_q={config.block_q},"
+                f" block_kv={config.block_kv}; the scoped limit is {limit / 2**20:.0f} MiB",
+                None,
+                "use a smaller block_kv or block_q, or raise vmem_limit_bytes",
+            )
+            return None
+    return config
+
 
 PALLAS_TPU = Backend(
     name="pallas_tpu",
-    template="pallas_tpu/attention.py.jinja",
+    template="pallas_tpu/module.py.jinja",
     dialect=Dialect(
         functions={
             "exp": "jnp.exp",
@@ -25,13 +114,15 @@ PALLAS_TPU = Backend(
         clamp=lambda index, tensor, axis: f"jnp.clip({index}, 0, {tensor}.shape[{axis}] - 1)",  # shapes are static
     ),
     param_prefix="param_",
-    block_kv_key="block_kv",
-    dq_block_kv_key="block_kv",
-    dkdv_block_q_key="block_q",
-    block_names=None,  # the kernels' blocks are fixed when the package is generated
+    kernels=KERNELS,
+    config_table="pallas_tpu",
+    config_keys=CONFIG_KEYS,
+    make_config=make_config,
+    symbolic_blocks=False,  # the kernels' blocks are fixed when the package is generated
     helper_functions=frozenset(),
     tensor_args=lambda name, rank: (name,),  # a ref in scalar memory (SMEM)
     gathers_position_loads=True,
+    array_module="jnp",
 )
 
 # Scoped VMEM a Mosaic kernel may use unless the spec raises it (vmem_limit_bytes): the default

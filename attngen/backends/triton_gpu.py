@@ -1,13 +1,163 @@
-"""Target: Triton for NVIDIA (and AMD) GPUs, on torch tensors."""
+"""Target: Triton for NVIDIA (and AMD) GPUs, on torch tensors.
+
+Owns the [triton] table (keys, checks, defaults from the tuned table) and declares the Triton
+kernels: the forward (long and short tiles), the dQ kernel and the dK/dV kernel.
+"""
 
 import json
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 from pathlib import Path
 
-from attngen.backends.base import Backend
+from attngen.analysis.tiles import BY_KEY_BLOCK, BY_QUERY_BLOCK
+from attngen.backends.base import F32_POINTER, PROBLEM_ARGS, Backend, Counted, Kernel, ProblemShape, Report, desc
 from attngen.backends.emit import Dialect
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Tile sizes and pipelining of the Triton kernels; unset keys come from the tuned table
+    (default_config)."""
+
+    # Forward: block_m queries per program, block_n keys per step.
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # Forward over short key sequences (kv_len <= short_kv_len): programs that see few keys pay
+    # their prologue and epilogue in full, so smaller tiles that let two programs share an SM win.
+    short_kv_len: int
+    short_block_m: int
+    short_block_n: int
+    short_num_warps: int
+    short_num_stages: int
+    # Backward: the dQ kernel holds dq_block_m queries and steps over dq_block_n keys; the dK/dV
+    # kernel holds dkdv_block_n keys and steps over dkdv_block_m queries.
+    dq_block_m: int
+    dq_block_n: int
+    dq_num_warps: int
+    dq_num_stages: int
+    dkdv_block_m: int
+    dkdv_block_n: int
+    dkdv_num_warps: int
+    dkdv_num_stages: int
+
+    def tiles(self, kernel: Kernel) -> dict[str, int]:
+        """block_m, block_n, num_warps and num_stages of one kernel."""
+        return {key: getattr(self, f"{kernel.tiles}{key}") for key in TILE_KEYS}
+
+
+TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+CONFIG_KEYS = tuple(f.name for f in fields(TritonConfig))
+
+
+# Each kernel declared once. Its tensors: descriptors of BLOCK_M or BLOCK_N rows, head_dim ("d")
+# or head_dim_v ("dv") wide, and float32 pointers (LSE, delta, dLSE); then the problem's sizes.
+_FORWARD = {
+    "family": "training",
+    "function": "_attention_fwd",
+    "template": "fwd.py.jinja",
+    "walks": BY_QUERY_BLOCK,
+    "step": "BLOCK_N",
+    "arguments": (
+        ("q_desc", desc("BLOCK_M")),
+        ("k_desc", desc("BLOCK_N")),
+        ("v_desc", desc("BLOCK_N", "dv")),
+        ("o_desc", desc("BLOCK_M", "dv")),
+        ("LSE", F32_POINTER),
+        *PROBLEM_ARGS,
+    ),
+    "constexprs": (("GROUP", 1),),
+}
+KERNELS = (
+    Kernel("fwd", about="Forward: BLOCK_M queries per program, BLOCK_N keys per step.", **_FORWARD),
+    Kernel(
+        "fwd_short",
+        about="Forward at kv_len <= SHORT_KV_LEN: smaller tiles, two programs per SM hide each other's prologue.",
+        tiles="short_",
+        enabled_by="short_kv_len",
+        **_FORWARD,
+    ),
+    Kernel(
+        "bwd_dq",
+        "training",
+        "_attention_bwd_dq",
+        "bwd_dq.py.jinja",
+        about="Backward, dQ: DQ_BLOCK_M queries per program, DQ_BLOCK_N keys per step.",
+        walks=BY_QUERY_BLOCK,
+        step="BLOCK_N",
+        tiles="dq_",
+        arguments=(
+            ("q_desc", desc("BLOCK_M")),
+            ("k_desc", desc("BLOCK_N")),
+            ("v_desc", desc("BLOCK_N", "dv")),
+            ("o_desc", desc("BLOCK_M", "dv")),
+            ("do_desc", desc("BLOCK_M", "dv")),
+            ("LSE", F32_POINTER),
+            ("DLSE", F32_POINTER),
+            ("DELTA", F32_POINTER),
+            ("dq_desc", desc("BLOCK_M")),
+            *PROBLEM_ARGS,
+        ),
+        constexprs=(("GROUP", 1),),
+    ),
+    Kernel(
+        "bwd_dkdv",
+        "training",
+        "_attention_bwd_dkdv",
+        "bwd_dkdv.py.jinja",
+        about="Backward, dK/dV: DKDV_BLOCK_N keys per program, DKDV_BLOCK_M queries per step.",
+        walks=BY_KEY_BLOCK,
+        step="BLOCK_M",
+        tiles="dkdv_",
+        arguments=(
+            ("q_desc", desc("BLOCK_M")),
+            ("k_desc", desc("BLOCK_N")),
+            ("v_desc", desc("BLOCK_N", "dv")),
+            ("do_desc", desc("BLOCK_M", "dv")),
+            ("LSE", F32_POINTER),
+            ("DELTA", F32_POINTER),
+            ("dk_desc", desc("BLOCK_N")),
+            ("dv_desc", desc("BLOCK_N", "dv")),
+            *PROBLEM_ARGS,
+        ),
+        # GQA group 1 in one part: each group size and split compiles a kernel of its own.
+        constexprs=(("GROUP", 1), ("SPLITS", 1)),
+    ),
+)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def make_config(table: dict[str, int], shape: ProblemShape | None, report: Report) -> TritonConfig | None:
+    """The [triton] keys a spec sets, checked, over the tuned table's entry for its shape. Forward
+    tiles pinned without short_* keys are pinned for every length: no short-sequence forward."""
+    report = Counted(report)
+    prefixes = tuple(dict.fromkeys(k.tiles for k in KERNELS))
+    for key in (f"{prefix}{block}" for prefix in prefixes for block in ("block_m", "block_n")):
+        if key in table and not (_power_of_two(table[key]) and 16 <= table[key] <= 256):
+            report(f"triton {key} must be a power of two in 16..256, got {table[key]}", key)
+    for key in (f"{prefix}num_warps" for prefix in prefixes):
+        if key in table and table[key] not in (1, 2, 4, 8, 16):
+            report(f"triton {key} must be 1, 2, 4, 8 or 16, got {table[key]}", key)
+    for key in (f"{prefix}num_stages" for prefix in prefixes):
+        if key in table and not 1 <= table[key] <= 8:
+            report(f"triton {key} must be in 1..8, got {table[key]}", key)
+    if "short_kv_len" in table and not 0 <= table["short_kv_len"] < 2**31:
+        report(
+            f"triton short_kv_len must be in 0..2**31-1, got {table['short_kv_len']}",
+            "short_kv_len",
+            "0 turns the short-sequence forward off",
+        )
+    if report.count or shape is None:  # (no shape: a spec with other problems; values checked only)
+        return None
+    config = {**default_config(shape.widest, shape.dtype), **table}
+    if table.keys() & set(TILE_KEYS) and not any(k.startswith("short_") for k in table):
+        config["short_kv_len"] = 0
+    return TritonConfig(**config)
 
 
 def tensor_args(name: str, rank: int) -> tuple[str, ...]:
@@ -18,7 +168,7 @@ def tensor_args(name: str, rank: int) -> tuple[str, ...]:
 
 TRITON_GPU = Backend(
     name="triton_gpu",
-    template="triton/attention.py.jinja",
+    template="triton_gpu/module.py.jinja",
     dialect=Dialect(
         functions={
             "exp": "tl.exp",
@@ -38,13 +188,15 @@ TRITON_GPU = Backend(
         clamp=lambda index, tensor, axis: f"clamped({index}, {tensor}_size{axis})",
     ),
     param_prefix="param_",
-    block_kv_key="block_n",
-    dq_block_kv_key="dq_block_n",
-    dkdv_block_q_key="dkdv_block_m",
-    block_names=("BLOCK_N", "BLOCK_N", "BLOCK_M"),  # each kernel's own constexprs
+    kernels=KERNELS,
+    config_table="triton",
+    config_keys=CONFIG_KEYS,
+    make_config=make_config,
+    symbolic_blocks=True,  # BLOCK_M, BLOCK_N are each kernel's constexprs
     helper_functions=frozenset({"tanh", "floordiv", "floormod"}),
     tensor_args=tensor_args,
     gathers_position_loads=False,
+    array_module="torch",
 )
 
 

@@ -21,6 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from attngen.backends.base import Arg, Kernel
+from attngen.backends.triton_gpu import TILE_KEYS, TRITON_GPU
 from attngen.build import import_generated
 from attngen.check.report import Finding
 
@@ -40,27 +42,6 @@ GPU_TARGETS = {
 _ELEMENT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
-@dataclass(frozen=True)
-class _Kernel:
-    function: str
-    # Per tensor argument: "m" / "n" a descriptor of block_m / block_n rows (upper case: head_dim_v
-    # wide: v, out, dout, dv), "f" a float32 pointer.
-    tensors: str
-    blocks: tuple[str, str, str, str]  # the module constants: block_m, block_n, num_warps, num_stages
-
-
-_KERNELS = {
-    "fwd": _Kernel("_attention_fwd", "mnNMf", ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")),
-    "fwd_short": _Kernel(
-        "_attention_fwd", "mnNMf", ("SHORT_BLOCK_M", "SHORT_BLOCK_N", "SHORT_NUM_WARPS", "SHORT_NUM_STAGES")
-    ),
-    "bwd_dq": _Kernel("_attention_bwd_dq", "mnNMMfffm", ("DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS", "DQ_NUM_STAGES")),
-    "bwd_dkdv": _Kernel(
-        "_attention_bwd_dkdv", "mnNMffnN", ("DKDV_BLOCK_M", "DKDV_BLOCK_N", "DKDV_NUM_WARPS", "DKDV_NUM_STAGES")
-    ),
-}
-
-
 def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> list[Finding]:
     """check_gpu for each target, in a fresh Python process compiling for real GPUs."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -76,49 +57,51 @@ def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> list[Findi
     return [Finding(**json.loads(line)) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
-def _signature(module, kernel: _Kernel, dtype: str):
-    """Argument types as a launch on contiguous tensors would specialise them."""
+def _tiles(module, kernel: Kernel) -> dict[str, int]:
+    """block_m, block_n, num_warps and num_stages of `kernel`, as the module's constants hold them."""
+    return {key: getattr(module, f"{kernel.tiles}{key}".upper()) for key in TILE_KEYS}
+
+
+def _signature(module, kernel: Kernel, dtype: str):
+    """Argument types as a launch on contiguous tensors would specialise them, read off the kernel's
+    declaration by argument name (so no argument order is repeated here)."""
     fn = getattr(module, kernel.function)
-    block_m, block_n = (getattr(module, name) for name in kernel.blocks[:2])
-    rows = {"m": block_m, "n": block_n}
-    tensor_types = iter(
-        f"tensordesc<{_ELEMENT[dtype]}[1,1,{rows[t.lower()]},{module.BLOCK_D if t.islower() else module.BLOCK_DV}]>"
-        if t.lower() in rows
-        else "*fp32"
-        for t in kernel.tensors
-    )
-    # GROUP = SPLITS = 1: query heads per kv head without GQA, in one part (each group size and
-    # split compiles its own kernel)
+    tiles = _tiles(module, kernel)
     constexpr_values = {
-        "GROUP": 1,
-        "SPLITS": 1,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
+        **dict(kernel.constexprs),
+        "BLOCK_M": tiles["block_m"],
+        "BLOCK_N": tiles["block_n"],
         "BLOCK_D": module.BLOCK_D,
         "BLOCK_DV": module.BLOCK_DV,
     }
+    widths = {"d": module.BLOCK_D, "dv": module.BLOCK_DV}
     tensors = getattr(module, "TENSOR_PARAMS", {})
     signature, constexprs, attrs = {}, {}, {}
     for index, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        declared = kernel.argument(name)
         if param.is_constexpr:
             signature[name], constexprs[name] = "constexpr", constexpr_values[name]
-        elif name == "num_heads":
-            signature[name], attrs[(index,)] = "i32", [["tt.divisibility", 16]]
+        elif declared is not None and declared.kind == "desc":
+            rows = constexpr_values[declared.rows]
+            signature[name] = f"tensordesc<{_ELEMENT[dtype]}[1,1,{rows},{widths[declared.width]}]>"
+        elif declared is not None:
+            signature[name] = declared.kind
+        # What the spec adds after the declared arguments: block tables, then its params.
         elif name == "TABLES":  # block tables of a mask that reads tensors (_block_tables)
-            signature[name], attrs[(index,)] = "*i32", [["tt.divisibility", 16]]
+            signature[name], declared = "*i32", Arg("*i32", divisible=True)
         elif name.startswith("tables_stride_"):
             signature[name] = "i32"
         elif name.removeprefix("param_") in tensors:  # a tensor param's data
             signature[name] = "*fp32" if tensors[name.removeprefix("param_")][0] is float else "*i32"
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name in ("scale",) or module.PARAMS.get(name.removeprefix("param_")) is float:
-            signature[name] = "fp32"
-        elif name in ("q_len", "kv_len") or name.startswith("param_"):
+            declared = Arg(signature[name], divisible=True)
+        elif name.removeprefix("param_") in module.PARAMS:
+            signature[name] = "fp32" if module.PARAMS[name.removeprefix("param_")] is float else "i32"
+        elif name.startswith("param_"):  # a tensor param's axis size
             signature[name] = "i32"
         else:
-            signature[name] = next(tensor_types)
-            if signature[name] == "*fp32":
-                attrs[(index,)] = [["tt.divisibility", 16]]
+            raise ValueError(f"{kernel.function} takes `{name}`, which neither its declaration nor the spec names")
+        if declared is not None and declared.divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
     return fn, signature, constexprs, attrs
 
 
@@ -144,11 +127,12 @@ def check_gpu(module, dtype: str, target: GpuTarget) -> list[Finding]:
     from triton.compiler import ASTSource
 
     findings = []
-    for name, kernel in _KERNELS.items():
-        if name == "fwd_short" and not module.SHORT_KV_LEN:  # no short-sequence forward
+    for kernel in TRITON_GPU.kernels:
+        if kernel.enabled_by and not getattr(module, kernel.enabled_by.upper()):  # e.g. no short forward
             continue
-        block_m, block_n, warps, stages = (getattr(module, constant) for constant in kernel.blocks)
-        blocks = f"block_m={block_m} block_n={block_n} num_warps={warps} num_stages={stages}"
+        name, tiles = kernel.name, _tiles(module, kernel)
+        warps, stages = tiles["num_warps"], tiles["num_stages"]
+        blocks = " ".join(f"{key}={value}" for key, value in tiles.items())
         fn, signature, constexprs, attrs = _signature(module, kernel, dtype)
         try:
             compiled = triton.compile(
@@ -165,7 +149,7 @@ def check_gpu(module, dtype: str, target: GpuTarget) -> list[Finding]:
         if shared > target.max_shared:
             problem = (
                 f"shared memory {shared / 1024:.0f} KiB > {target.max_shared / 1024:.0f} KiB per block"
-                f" (smaller blocks or fewer {kernel.blocks[3].lower()})"
+                f" (smaller blocks or fewer {kernel.tiles}num_stages)"
             )
             findings.append(Finding(target.name, name, blocks, ok=False, problem=problem, resources=resources))
             continue

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import sympy
 
 from attngen import ir
-from attngen.analysis.tiles import to_sympy
 from attngen.ir import Type
+from attngen.ir_sympy import to_sympy
 from attngen.lang import parser as ast
 
 _NUMERIC = (Type.INT, Type.FLOAT)

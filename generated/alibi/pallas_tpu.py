@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 HEAD_DIM = 128
 HEAD_DIM_V = 128  # v's and the output's
-DTYPE = jnp.bfloat16
+DTYPE = jnp.dtype(jnp.bfloat16)
 PARAMS = {"num_heads": int}
 BLOCK_Q = 512
 BLOCK_KV = 512
@@ -90,6 +90,14 @@ def _rows_within(x, block, block_size, length):
     return jnp.where(row < length, x, jnp.zeros_like(x))
 
 
+def _run_tile(block, lo, hi, full_lo, full_hi, body):
+    """body(masked=...) for a tile by its class: EMPTY skipped, FULL unmasked, PARTIAL masked."""
+    visible = (lo <= block) & (block < hi)
+    full = (full_lo <= block) & (block < full_hi)
+    pl.when(visible & full)(functools.partial(body, masked=False))
+    pl.when(visible & jnp.logical_not(full))(functools.partial(body, masked=True))
+
+
 def _fwd_kernel(int_ref, float_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scratch, l_scratch, acc_scratch, *, q_len, kv_len):
     b, h, q_block, kv_block = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     scale, params = _read_params(int_ref, float_ref)
@@ -128,14 +136,6 @@ def _fwd_kernel(int_ref, float_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scrat
         l = l_scratch[...]
         o_ref[...] = (acc_scratch[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(l == 0.0, -jnp.inf, m_scratch[...] + jnp.log(l))
-
-
-def _run_tile(block, lo, hi, full_lo, full_hi, body):
-    """body(masked=...) for a tile by its class: EMPTY skipped, FULL unmasked, PARTIAL masked."""
-    visible = (lo <= block) & (block < hi)
-    full = (full_lo <= block) & (block < full_hi)
-    pl.when(visible & full)(functools.partial(body, masked=False))
-    pl.when(visible & jnp.logical_not(full))(functools.partial(body, masked=True))
 
 
 def _dq_kernel(int_ref, float_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scratch, *, q_len, kv_len):
@@ -365,7 +365,9 @@ def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, **param
         Differentiable in q, k and v (and through lse); params and scale get no gradient.
     """
     _check_inputs(q, k, v)
-    int_values, float_values = _check_params(params)
+    scalars, tensors = _check_params(params)
+    int_values = [value for name, value in scalars.items() if PARAMS[name] is int]
+    float_values = [value for name, value in scalars.items() if PARAMS[name] is float]
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     int_params = jnp.array([*int_values, 0], jnp.int32)  # never empty: SMEM needs a shape
@@ -397,14 +399,23 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _check_params(params):
+    """The spec's params, checked: (scalars by name, in kernel order; tensors by name)."""
     names = [*PARAMS]
     missing = [name for name in names if name not in params]
     unknown = [name for name in params if name not in names]
     if missing or unknown:
         raise TypeError(f"attention() of spec alibi takes params {names}; missing {missing}, unknown {unknown}")
-    int_values = [params[name] for name, kind in PARAMS.items() if kind is int]
-    float_values = [params[name] for name, kind in PARAMS.items() if kind is float]
-    return int_values, float_values
+    scalars = {}
+    for name, kind in PARAMS.items():
+        value = params[name]
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"param {name} must be an int, got {value!r}")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"param {name} must be a float, got {value!r}")
+        if kind is int and not -(2**31) <= value < 2**31:
+            raise ValueError(f"param {name} must fit in int32, got {value}")
+        scalars[name] = kind(value)
+    return scalars, {}
 
 
 def _check_inputs(q, k, v):
@@ -412,11 +423,12 @@ def _check_inputs(q, k, v):
         if getattr(t, "ndim", None) != 4:
             raise ValueError(f"{name} must be a 4-D array [batch, heads, seq, head_dim]")
         if t.dtype != DTYPE:
-            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {jnp.dtype(DTYPE)} (the spec's dtype)")
+            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
         head_dim = HEAD_DIM_V if name == "v" else HEAD_DIM
         if t.shape[-1] != head_dim:
             raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {head_dim}")
     if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(
-            f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape} (k and v alike; same batch; kv heads dividing q heads)"
+            f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            " (k and v alike; same batch; kv heads dividing q heads)"
         )

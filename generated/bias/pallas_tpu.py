@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 HEAD_DIM = 128
 HEAD_DIM_V = 128  # v's and the output's
-DTYPE = jnp.bfloat16
+DTYPE = jnp.dtype(jnp.bfloat16)
 PARAMS = {}
 # Tensor params: element type and declared axes (an int, a size of q, k, v, or a free name).
 TENSOR_PARAMS = {
@@ -92,6 +92,14 @@ def _rows_within(x, block, block_size, length):
     return jnp.where(row < length, x, jnp.zeros_like(x))
 
 
+def _run_tile(block, lo, hi, full_lo, full_hi, body):
+    """body(masked=...) for a tile by its class: EMPTY skipped, FULL unmasked, PARTIAL masked."""
+    visible = (lo <= block) & (block < hi)
+    full = (full_lo <= block) & (block < full_hi)
+    pl.when(visible & full)(functools.partial(body, masked=False))
+    pl.when(visible & jnp.logical_not(full))(functools.partial(body, masked=True))
+
+
 def _fwd_kernel(int_ref, float_ref, q_ref, k_ref, v_ref, *refs, q_len, kv_len):
     *gathered_refs, o_ref, lse_ref, m_scratch, l_scratch, acc_scratch = refs  # the gathered tiles are the last inputs
     b, h, q_block, kv_block = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -132,14 +140,6 @@ def _fwd_kernel(int_ref, float_ref, q_ref, k_ref, v_ref, *refs, q_len, kv_len):
         l = l_scratch[...]
         o_ref[...] = (acc_scratch[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(l == 0.0, -jnp.inf, m_scratch[...] + jnp.log(l))
-
-
-def _run_tile(block, lo, hi, full_lo, full_hi, body):
-    """body(masked=...) for a tile by its class: EMPTY skipped, FULL unmasked, PARTIAL masked."""
-    visible = (lo <= block) & (block < hi)
-    full = (full_lo <= block) & (block < full_hi)
-    pl.when(visible & full)(functools.partial(body, masked=False))
-    pl.when(visible & jnp.logical_not(full))(functools.partial(body, masked=True))
 
 
 def _dq_kernel(int_ref, float_ref, q_ref, k_ref, v_ref, *refs, q_len, kv_len):
@@ -408,7 +408,10 @@ def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, **param
         Differentiable in q, k and v (and through lse); params and scale get no gradient.
     """
     _check_inputs(q, k, v)
-    int_values, float_values, tensors = _check_params(params, q, k)
+    scalars, tensors = _check_params(params, q, k)
+    int_values = [value for name, value in scalars.items() if PARAMS[name] is int]
+    float_values = [value for name, value in scalars.items() if PARAMS[name] is float]
+    tensors = {name: jnp.asarray(value, jnp.int32 if TENSOR_PARAMS[name][0] is int else jnp.float32) for name, value in tensors.items()}
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     int_params = jnp.array([*int_values, 0], jnp.int32)  # never empty: SMEM needs a shape
@@ -441,13 +444,22 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _check_params(params, q, k):
+    """The spec's params, checked: (scalars by name, in kernel order; tensors by name)."""
     names = [*PARAMS, *TENSOR_PARAMS]
     missing = [name for name in names if name not in params]
     unknown = [name for name in params if name not in names]
     if missing or unknown:
         raise TypeError(f"attention() of spec bias takes params {names}; missing {missing}, unknown {unknown}")
-    int_values = [params[name] for name, kind in PARAMS.items() if kind is int]
-    float_values = [params[name] for name, kind in PARAMS.items() if kind is float]
+    scalars = {}
+    for name, kind in PARAMS.items():
+        value = params[name]
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"param {name} must be an int, got {value!r}")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"param {name} must be a float, got {value!r}")
+        if kind is int and not -(2**31) <= value < 2**31:
+            raise ValueError(f"param {name} must fit in int32, got {value}")
+        scalars[name] = kind(value)
     sizes = {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k.shape[1], "q_len": q.shape[2], "kv_len": k.shape[2]}
     tensors = {}
     for name, (kind, axes) in TENSOR_PARAMS.items():
@@ -462,8 +474,8 @@ def _check_params(params, q, k):
             wanted = axis if isinstance(axis, int) else sizes.setdefault(axis, size)
             if size != wanted or size == 0:
                 raise ValueError(f"param {name} has shape {list(value.shape)}, declared [{', '.join(map(str, axes))}]: {axis} = {wanted}")
-        tensors[name] = jnp.asarray(value, jnp.int32 if kind is int else jnp.float32)
-    return int_values, float_values, tensors
+        tensors[name] = value
+    return scalars, tensors
 
 
 def _check_inputs(q, k, v):
@@ -471,11 +483,12 @@ def _check_inputs(q, k, v):
         if getattr(t, "ndim", None) != 4:
             raise ValueError(f"{name} must be a 4-D array [batch, heads, seq, head_dim]")
         if t.dtype != DTYPE:
-            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {jnp.dtype(DTYPE)} (the spec's dtype)")
+            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
         head_dim = HEAD_DIM_V if name == "v" else HEAD_DIM
         if t.shape[-1] != head_dim:
             raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {head_dim}")
     if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(
-            f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape} (k and v alike; same batch; kv heads dividing q heads)"
+            f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            " (k and v alike; same batch; kv heads dividing q heads)"
         )

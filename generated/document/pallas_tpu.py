@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 HEAD_DIM = 128
 HEAD_DIM_V = 128  # v's and the output's
-DTYPE = jnp.bfloat16
+DTYPE = jnp.dtype(jnp.bfloat16)
 PARAMS = {}
 # Tensor params: element type and declared axes (an int, a size of q, k, v, or a free name).
 TENSOR_PARAMS = {
@@ -91,6 +91,34 @@ def _rows_within(x, block, block_size, length):
     return jnp.where(row < length, x, jnp.zeros_like(x))
 
 
+def _run_tile_of_class(tile_class, body):
+    """body(masked=...) for a tile by its class (see _tile_classes): EMPTY skipped, FULL unmasked,
+    PARTIAL masked."""
+    pl.when(tile_class == 2)(functools.partial(body, masked=False))
+    pl.when(tile_class == 1)(functools.partial(body, masked=True))
+
+
+def _tile_classes(batch, heads, q_len, kv_len, params, gathered):
+    """The class of each [BLOCK_Q, BLOCK_KV] tile for a mask that reads tensors at each position
+    (so no closed form exists): 0 EMPTY, 1 PARTIAL, 2 FULL, as a [batch | 1, heads | 1, q blocks,
+    kv blocks] int32 table for scalar memory (1 where the mask does not read b or h).
+
+    Cost: the mask evaluated once per (query, key) pair, as one dense bool array of that shape
+    with q_len x kv_len positions; built afresh on every call.
+    """
+    table_batch, table_heads = batch, 1
+    b = lax.broadcasted_iota(jnp.int32, (table_batch, 1, 1, 1), 0)
+    h = lax.broadcasted_iota(jnp.int32, (1, table_heads, 1, 1), 1)
+    q_idx = lax.broadcasted_iota(jnp.int32, (1, 1, q_len, 1), 2)
+    kv_idx = lax.broadcasted_iota(jnp.int32, (1, 1, 1, kv_len), 3)
+    visible = _visible(q_idx, kv_idx, b, h, q_len, kv_len, *params, gathered)
+    visible = jnp.broadcast_to(visible, (table_batch, table_heads, q_len, kv_len))
+    num_q_blocks, num_kv_blocks = pl.cdiv(q_len, BLOCK_Q), pl.cdiv(kv_len, BLOCK_KV)
+    padding = ((0, 0), (0, 0), (0, num_q_blocks * BLOCK_Q - q_len), (0, num_kv_blocks * BLOCK_KV - kv_len))
+    tiles = jnp.pad(visible, padding).reshape(table_batch, table_heads, num_q_blocks, BLOCK_Q, num_kv_blocks, BLOCK_KV)
+    return jnp.where(tiles.all(axis=(3, 5)), 2, jnp.where(tiles.any(axis=(3, 5)), 1, 0)).astype(jnp.int32)
+
+
 def _fwd_kernel(int_ref, float_ref, classes_ref, q_ref, k_ref, v_ref, *refs, q_len, kv_len):
     *gathered_refs, o_ref, lse_ref, m_scratch, l_scratch, acc_scratch = refs  # the gathered tiles are the last inputs
     b, h, q_block, kv_block = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -130,34 +158,6 @@ def _fwd_kernel(int_ref, float_ref, classes_ref, q_ref, k_ref, v_ref, *refs, q_l
         l = l_scratch[...]
         o_ref[...] = (acc_scratch[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(l == 0.0, -jnp.inf, m_scratch[...] + jnp.log(l))
-
-
-def _run_tile_of_class(tile_class, body):
-    """body(masked=...) for a tile by its class (see _tile_classes): EMPTY skipped, FULL unmasked,
-    PARTIAL masked."""
-    pl.when(tile_class == 2)(functools.partial(body, masked=False))
-    pl.when(tile_class == 1)(functools.partial(body, masked=True))
-
-
-def _tile_classes(batch, heads, q_len, kv_len, params, gathered):
-    """The class of each [BLOCK_Q, BLOCK_KV] tile for a mask that reads tensors at each position
-    (so no closed form exists): 0 EMPTY, 1 PARTIAL, 2 FULL, as a [batch | 1, heads | 1, q blocks,
-    kv blocks] int32 table for scalar memory (1 where the mask does not read b or h).
-
-    Cost: the mask evaluated once per (query, key) pair, as one dense bool array of that shape
-    with q_len x kv_len positions; built afresh on every call.
-    """
-    table_batch, table_heads = batch, 1
-    b = lax.broadcasted_iota(jnp.int32, (table_batch, 1, 1, 1), 0)
-    h = lax.broadcasted_iota(jnp.int32, (1, table_heads, 1, 1), 1)
-    q_idx = lax.broadcasted_iota(jnp.int32, (1, 1, q_len, 1), 2)
-    kv_idx = lax.broadcasted_iota(jnp.int32, (1, 1, 1, kv_len), 3)
-    visible = _visible(q_idx, kv_idx, b, h, q_len, kv_len, *params, gathered)
-    visible = jnp.broadcast_to(visible, (table_batch, table_heads, q_len, kv_len))
-    num_q_blocks, num_kv_blocks = pl.cdiv(q_len, BLOCK_Q), pl.cdiv(kv_len, BLOCK_KV)
-    padding = ((0, 0), (0, 0), (0, num_q_blocks * BLOCK_Q - q_len), (0, num_kv_blocks * BLOCK_KV - kv_len))
-    tiles = jnp.pad(visible, padding).reshape(table_batch, table_heads, num_q_blocks, BLOCK_Q, num_kv_blocks, BLOCK_KV)
-    return jnp.where(tiles.all(axis=(3, 5)), 2, jnp.where(tiles.any(axis=(3, 5)), 1, 0)).astype(jnp.int32)
 
 
 def _dq_kernel(int_ref, float_ref, classes_ref, q_ref, k_ref, v_ref, *refs, q_len, kv_len):
@@ -425,7 +425,10 @@ def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, **param
         Differentiable in q, k and v (and through lse); params and scale get no gradient.
     """
     _check_inputs(q, k, v)
-    int_values, float_values, tensors = _check_params(params, q, k)
+    scalars, tensors = _check_params(params, q, k)
+    int_values = [value for name, value in scalars.items() if PARAMS[name] is int]
+    float_values = [value for name, value in scalars.items() if PARAMS[name] is float]
+    tensors = {name: jnp.asarray(value, jnp.int32 if TENSOR_PARAMS[name][0] is int else jnp.float32) for name, value in tensors.items()}
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     int_params = jnp.array([*int_values, 0], jnp.int32)  # never empty: SMEM needs a shape
@@ -460,13 +463,22 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _check_params(params, q, k):
+    """The spec's params, checked: (scalars by name, in kernel order; tensors by name)."""
     names = [*PARAMS, *TENSOR_PARAMS]
     missing = [name for name in names if name not in params]
     unknown = [name for name in params if name not in names]
     if missing or unknown:
         raise TypeError(f"attention() of spec document takes params {names}; missing {missing}, unknown {unknown}")
-    int_values = [params[name] for name, kind in PARAMS.items() if kind is int]
-    float_values = [params[name] for name, kind in PARAMS.items() if kind is float]
+    scalars = {}
+    for name, kind in PARAMS.items():
+        value = params[name]
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"param {name} must be an int, got {value!r}")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"param {name} must be a float, got {value!r}")
+        if kind is int and not -(2**31) <= value < 2**31:
+            raise ValueError(f"param {name} must fit in int32, got {value}")
+        scalars[name] = kind(value)
     sizes = {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k.shape[1], "q_len": q.shape[2], "kv_len": k.shape[2]}
     tensors = {}
     for name, (kind, axes) in TENSOR_PARAMS.items():
@@ -481,8 +493,8 @@ def _check_params(params, q, k):
             wanted = axis if isinstance(axis, int) else sizes.setdefault(axis, size)
             if size != wanted or size == 0:
                 raise ValueError(f"param {name} has shape {list(value.shape)}, declared [{', '.join(map(str, axes))}]: {axis} = {wanted}")
-        tensors[name] = jnp.asarray(value, jnp.int32 if kind is int else jnp.float32)
-    return int_values, float_values, tensors
+        tensors[name] = value
+    return scalars, tensors
 
 
 def _check_inputs(q, k, v):
@@ -490,11 +502,12 @@ def _check_inputs(q, k, v):
         if getattr(t, "ndim", None) != 4:
             raise ValueError(f"{name} must be a 4-D array [batch, heads, seq, head_dim]")
         if t.dtype != DTYPE:
-            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {jnp.dtype(DTYPE)} (the spec's dtype)")
+            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
         head_dim = HEAD_DIM_V if name == "v" else HEAD_DIM
         if t.shape[-1] != head_dim:
             raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {head_dim}")
     if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(
-            f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape} (k and v alike; same batch; kv heads dividing q heads)"
+            f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            " (k and v alike; same batch; kv heads dividing q heads)"
         )

@@ -26,13 +26,12 @@ DTYPE = torch.bfloat16
 PARAMS = {"left": int, "right": int}
 BLOCK_D = 128  # head_dim padded to a power of two
 BLOCK_DV = 128  # head_dim_v padded to a power of two
-# Forward: queries per program, keys per step.
+# Forward: BLOCK_M queries per program, BLOCK_N keys per step.
 BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8
 NUM_STAGES = 3
-# Forward when kv_len <= SHORT_KV_LEN: few keys per program, so smaller tiles that let two
-# programs share an SM (each hides the other's prologue and epilogue).
+# Forward at kv_len <= SHORT_KV_LEN: smaller tiles, two programs per SM hide each other's prologue.
 SHORT_KV_LEN = 2048
 SHORT_BLOCK_M = 64
 SHORT_BLOCK_N = 64
@@ -96,14 +95,18 @@ def _fwd_kv_blocks(
             kv_idx = (start + offs_n)[None, :]
             x = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_left, param_right), qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1))
-            # A row that has seen no visible key yet keeps m = -inf; shift it by 0, not inf - inf.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(x - m_new[:, None])
+            # A row that has seen no visible key yet keeps m = -inf, and is shifted by 0 (not
+            # inf - inf). Keeping a 0 as its max would shift its later logits by 0 instead of
+            # their max: P then underflows (fp16 subnormals) and the row loses its bits.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(x - m_shift[:, None])
         else:
             # max(qk * s) = max(qk) * s for s >= 0: one multiply per row, one FMA per element.
+            # Every key of a FULL tile is visible, so the max is finite.
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+            m_shift = m_new
+            p = tl.exp2(qk * qk_scale - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_DV])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -165,6 +168,80 @@ def _attention_fwd(
     o_desc.store([b, h, q_first, 0], out.to(o_desc.dtype).reshape([1, 1, BLOCK_M, BLOCK_DV]))
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)
     tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+
+
+@triton.jit
+def _dq_kv_blocks(
+    dq, q, do, lse, delta, k_desc, v_desc, b, h, h_kv,
+    block_lo, block_hi, q_idx, q_len, kv_len, scale, param_left, param_right,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """dQ contributions of a run of kv blocks, recomputing P from the LSE."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for block in range(block_lo, block_hi):
+        start = block * BLOCK_N
+        kv_idx = (start + offs_n)[None, :]
+        k = k_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_D])
+        v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_DV])
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32
+        p = tl.exp2(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_left, param_right) - lse[:, None] * 1.4426950408889634)
+        if MASKED:
+            p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_left, param_right), p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit(do_not_specialize=["q_len", "kv_len", "param_left", "param_right"])
+def _attention_bwd_dq(
+    q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc,
+    num_heads, q_len, kv_len, scale, param_left, param_right,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest first, as in the forward
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    q_first = q_block * BLOCK_M
+    q_last = tl.minimum(q_first + BLOCK_M, q_len) - 1
+
+    # The forward's tile analysis, for this kernel's kv step.
+    kv_lo = tl.maximum(0, q_first - param_left) // BLOCK_N
+    kv_hi = floordiv(tl.minimum(BLOCK_N + kv_len - 1, tl.maximum(BLOCK_N - 1, BLOCK_N + param_right + q_last)), BLOCK_N)
+    full_lo = tl.minimum(kv_hi, tl.maximum(kv_lo, floordiv(tl.maximum(BLOCK_N - 1, BLOCK_N + q_last - param_left - 1), BLOCK_N)))
+    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, tl.maximum(0, param_right + q_first + 1)) // BLOCK_N))
+
+    offs_m = q_first + tl.arange(0, BLOCK_M)
+    q_idx = offs_m[:, None]
+    q = q_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_D])
+    do = do_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_DV])
+    rows = bh.to(tl.int64) * q_len + offs_m
+    lse = tl.load(LSE + rows, mask=offs_m < q_len, other=0.0)
+    # delta = rowsum(dO * O) - dLSE, the softmax-backward term with the LSE's own gradient; stored
+    # for the dK/dV kernel, which runs after this one.
+    o = o_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_DV])
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - tl.load(DLSE + rows, mask=offs_m < q_len, other=0.0)
+    tl.store(DELTA + rows, delta, mask=offs_m < q_len)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_kv_blocks(
+        dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
+        kv_lo, full_lo, q_idx, q_len, kv_len, scale, param_left, param_right,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+    )
+    dq = _dq_kv_blocks(
+        dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
+        full_lo, full_hi, q_idx, q_len, kv_len, scale, param_left, param_right,
+        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+    )
+    dq = _dq_kv_blocks(
+        dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
+        full_hi, kv_hi, q_idx, q_len, kv_len, scale, param_left, param_right,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+    )
+
+    dq_desc.store([b, h, q_first, 0], (dq * scale).to(dq_desc.dtype).reshape([1, 1, BLOCK_M, BLOCK_D]))
 
 
 @triton.jit
@@ -252,80 +329,6 @@ def _attention_bwd_dkdv(
 
     dk_desc.store([b, part, kv_first, 0], (dk * scale).to(dk_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_D]))
     dv_desc.store([b, part, kv_first, 0], dv.to(dv_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_DV]))
-
-
-@triton.jit
-def _dq_kv_blocks(
-    dq, q, do, lse, delta, k_desc, v_desc, b, h, h_kv,
-    block_lo, block_hi, q_idx, q_len, kv_len, scale, param_left, param_right,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """dQ contributions of a run of kv blocks, recomputing P from the LSE."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for block in range(block_lo, block_hi):
-        start = block * BLOCK_N
-        kv_idx = (start + offs_n)[None, :]
-        k = k_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_D])
-        v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_DV])
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32
-        p = tl.exp2(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_left, param_right) - lse[:, None] * 1.4426950408889634)
-        if MASKED:
-            p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_left, param_right), p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
-    return dq
-
-
-@triton.jit(do_not_specialize=["q_len", "kv_len", "param_left", "param_right"])
-def _attention_bwd_dq(
-    q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc,
-    num_heads, q_len, kv_len, scale, param_left, param_right,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    q_block = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest first, as in the forward
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    q_first = q_block * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, q_len) - 1
-
-    # The forward's tile analysis, for this kernel's kv step.
-    kv_lo = tl.maximum(0, q_first - param_left) // BLOCK_N
-    kv_hi = floordiv(tl.minimum(BLOCK_N + kv_len - 1, tl.maximum(BLOCK_N - 1, BLOCK_N + param_right + q_last)), BLOCK_N)
-    full_lo = tl.minimum(kv_hi, tl.maximum(kv_lo, floordiv(tl.maximum(BLOCK_N - 1, BLOCK_N + q_last - param_left - 1), BLOCK_N)))
-    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, tl.maximum(0, param_right + q_first + 1)) // BLOCK_N))
-
-    offs_m = q_first + tl.arange(0, BLOCK_M)
-    q_idx = offs_m[:, None]
-    q = q_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_D])
-    do = do_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_DV])
-    rows = bh.to(tl.int64) * q_len + offs_m
-    lse = tl.load(LSE + rows, mask=offs_m < q_len, other=0.0)
-    # delta = rowsum(dO * O) - dLSE, the softmax-backward term with the LSE's own gradient; stored
-    # for the dK/dV kernel, which runs after this one.
-    o = o_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_DV])
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - tl.load(DLSE + rows, mask=offs_m < q_len, other=0.0)
-    tl.store(DELTA + rows, delta, mask=offs_m < q_len)
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_kv_blocks(
-        dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
-        kv_lo, full_lo, q_idx, q_len, kv_len, scale, param_left, param_right,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-    )
-    dq = _dq_kv_blocks(
-        dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
-        full_lo, full_hi, q_idx, q_len, kv_len, scale, param_left, param_right,
-        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-    )
-    dq = _dq_kv_blocks(
-        dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
-        full_hi, kv_hi, q_idx, q_len, kv_len, scale, param_left, param_right,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-    )
-
-    dq_desc.store([b, h, q_first, 0], (dq * scale).to(dq_desc.dtype).reshape([1, 1, BLOCK_M, BLOCK_D]))
 
 
 def _descriptor(t, rows, width=BLOCK_D):
@@ -496,12 +499,12 @@ def attention(q, k, v, *, scale=None, return_lse=False, **params):
         Differentiable in q, k and v (and through lse); params and scale get no gradient.
     """
     _check_inputs(q, k, v)
-    values = _check_params(params)
+    scalars, tensors = _check_params(params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
     run = torch.ops.attngen.local_window_5395f475a640_fwd if torch.compiler.is_compiling() else _Attention.apply
-    out, lse = run(q, k, v, float(scale), *values)
+    out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     return (out, lse) if return_lse else out
 
 
@@ -520,12 +523,13 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _check_params(params):
+    """The spec's params, checked: (scalars by name, in kernel order; tensors by name)."""
     names = [*PARAMS]
     missing = [name for name in names if name not in params]
     unknown = [name for name in params if name not in names]
     if missing or unknown:
         raise TypeError(f"attention() of spec local_window takes params {names}; missing {missing}, unknown {unknown}")
-    values = []
+    scalars = {}
     for name, kind in PARAMS.items():
         value = params[name]
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -534,8 +538,8 @@ def _check_params(params):
             raise TypeError(f"param {name} must be a float, got {value!r}")
         if kind is int and not -(2**31) <= value < 2**31:
             raise ValueError(f"param {name} must fit in int32, got {value}")
-        values.append(kind(value))
-    return values
+        scalars[name] = kind(value)
+    return scalars, {}
 
 
 def _check_inputs(q, k, v):

@@ -1,0 +1,22 @@
+"""Stage: a spec file (TOML) -> a validated, frozen Spec holding typed IR.
+
+positions.py finds where each key and character sits in the text (for located errors),
+schema.py says which keys and names a spec may hold, validate.py checks a spec and builds the
+Spec of model.py. Each target checks its own table (attngen.backends).
+"""
+
+from attngen.spec.model import CAUSAL_MASK, CAUSAL_MASKS, DTYPES, MAX_SPEC_BYTES, Param, Spec, retarget, with_config
+from attngen.spec.validate import load_spec, parse_spec
+
+__all__ = [
+    "CAUSAL_MASK",
+    "CAUSAL_MASKS",
+    "DTYPES",
+    "MAX_SPEC_BYTES",
+    "Param",
+    "Spec",
+    "load_spec",
+    "parse_spec",
+    "retarget",
+    "with_config",
+]

@@ -1,0 +1,129 @@
+"""Helpers shared by the tests (tests/) and the GPU bench scripts (bench/).
+
+Input: a spec name of specs/ and a problem shape, or the Triton interpreter. Output: runtime params
+for that spec at that shape (`example_params`, with the varlen recipe `varlen_params`), or the
+interpreter patched for bf16 (`fix_interpreter_bf16_dot`). The exactness rule itself lives in
+attngen.exactness.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def example_params(spec_name: str, batch: int, heads: int, q_len: int, kv_len: int, seed: int = 0) -> dict:
+    """Runtime params for a spec of specs/ at this shape: fixed scalars, fresh random tensors.
+
+    Args:
+        spec_name: The spec's name (its file name in specs/ without .toml).
+        batch: Batch size.
+        heads: Query heads.
+        q_len: Query length.
+        kv_len: Key length.
+        seed: Seed of the random tensors.
+
+    Returns:
+        {param name: value}, numpy arrays for tensors; {} for a spec without params.
+    """
+    rng = np.random.default_rng(seed)
+    examples = {
+        "alibi": lambda: {"num_heads": heads},
+        "local_window": lambda: {"left": 50, "right": 20},
+        "sliding_window": lambda: {"window": 70},
+        "prefix_lm": lambda: {"prefix": 45},
+        "softcap": lambda: {"softcap": 20.0},
+        "strided": lambda: {"stride": 24},
+        "chunked": lambda: {"chunk": 100},
+        "alibi_slopes": lambda: {"slopes": rng.uniform(0.01, 0.5, heads).astype(np.float32)},
+        # 33 buckets for distances -16..16: longer distances clamp to the table's ends.
+        "relative_bias": lambda: {"rel_bias": rng.standard_normal((heads, 33)).astype(np.float32), "max_dist": 16},
+        "bias": lambda: {"bias": rng.standard_normal((batch, heads, q_len, kv_len)).astype(np.float32)},
+        # Some prefixes are negative or past the keys: all-causal and all-visible rows.
+        "prefix_lm_batched": lambda: {"prefix": rng.integers(-5, kv_len + 5, batch).astype(np.int32)},
+        "varlen": lambda: {  # each sequence of the batch packed its own way
+            name: np.concatenate(rows)
+            for name, *rows in zip(
+                ("seq_q", "seq_kv", "pos_q", "pos_kv"),
+                *(varlen_params(*random_cu_seqlens(rng, q_len, kv_len)).values() for _ in range(batch)),
+            )
+        },
+        # Sorted ids: packed documents of random lengths (a query may start a document its keys lack).
+        "document": lambda: {
+            "seg_q": np.sort(rng.integers(0, 4, (batch, q_len)), axis=1).astype(np.int32),
+            "seg_kv": np.sort(rng.integers(0, 4, (batch, kv_len)), axis=1).astype(np.int32),
+        },
+    }
+    return examples[spec_name]() if spec_name in examples else {}
+
+
+def random_cu_seqlens(rng, q_len: int, kv_len: int, count: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Cumulative lengths of `count` packed sequences of random lengths (some empty).
+
+    Args:
+        rng: A numpy Generator.
+        q_len: Total query length.
+        kv_len: Total key length.
+        count: Number of sequences.
+
+    Returns:
+        ([0, ..., q_len], [0, ..., kv_len]) as flash_attn_varlen_func takes them, int32.
+    """
+    cuts = lambda n: np.sort(np.concatenate([[0, n], rng.integers(0, n + 1, count - 1)]))
+    return cuts(q_len).astype(np.int32), cuts(kv_len).astype(np.int32)
+
+
+def varlen_params(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> dict:
+    """specs/varlen.toml's tensors from cumulative lengths (the README's recipe, in numpy).
+
+    Args:
+        cu_seqlens_q: [0, ..., q_len] cumulative query lengths.
+        cu_seqlens_k: [0, ..., kv_len] cumulative key lengths.
+
+    Returns:
+        seq_q, seq_kv (each token's sequence) and pos_q, pos_kv (its position there, queries shifted
+        to align the diagonals bottom-right), each [1, length] int32.
+    """
+    lens_q, lens_k = np.diff(cu_seqlens_q), np.diff(cu_seqlens_k)
+    seq_q = np.repeat(np.arange(len(lens_q)), lens_q)
+    seq_kv = np.repeat(np.arange(len(lens_k)), lens_k)
+    pos_q = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[seq_q] + (lens_k - lens_q)[seq_q]
+    pos_kv = np.arange(cu_seqlens_k[-1]) - cu_seqlens_k[seq_kv]
+    return {
+        name: x[None].astype(np.int32)
+        for name, x in zip(("seq_q", "seq_kv", "pos_q", "pos_kv"), (seq_q, seq_kv, pos_q, pos_kv))
+    }
+
+
+def fix_interpreter_bf16_dot() -> None:
+    """Work around triton-lang/triton#11584 in the caller's process, not the kernels.
+
+    The interpreter stores bf16 as raw uint16 bits and hands those bits to numpy: to matmul, and to
+    the arithmetic of binary operators (so -x or x - y on bf16 tensors computes on the bits).
+    Widen bf16 operands to float32 first (exact: bf16 is the top half of a float32); a bf16
+    arithmetic result is rounded back to bf16 as the hardware would. Idempotent.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_attngen_bf16_fix", False):
+        return
+    original_dot, original_binary_op = builder.create_dot, builder.binary_op
+
+    def widen(handle):
+        if handle.dtype.scalar == tl.bfloat16:
+            bits = handle.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, *args):
+        return original_dot(self, widen(a), widen(b), d, *args)
+
+    def binary_op(self, lhs, rhs, op):
+        if lhs.dtype.scalar != tl.bfloat16:
+            return original_binary_op(self, lhs, rhs, op)
+        result = interpreter.TensorHandle(op(widen(lhs).data, widen(rhs).data).astype(np.float32), tl.float32)
+        return self.cast_impl(result, tl.bfloat16)
+
+    create_dot._attngen_bf16_fix = True
+    builder.create_dot, builder.binary_op = create_dot, binary_op
