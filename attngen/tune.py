@@ -135,7 +135,9 @@ class _Tuner:
                     ms
                     for w in workloads
                     for ms in self._measure(
-                        Workload(with_config(w.spec, "triton_gpu", **{**dataclasses.asdict(config), **fields}), w.params),
+                        Workload(
+                            with_config(w.spec, "triton_gpu", **{**dataclasses.asdict(config), **fields}), w.params
+                        ),
                         kernel,
                     )
                 ]

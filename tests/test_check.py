@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 
+from attngen.backends.triton_gpu import TRITON_GPU
 from attngen.check import TARGET_NAMES, check_spec
 from attngen.cli import main
 from attngen.spec import load_spec, parse_spec, with_config
@@ -18,8 +19,10 @@ def test_specs_compile_for_every_target(spec_file):
     spec = load_spec(spec_file)
     findings = check_spec(spec)
     assert {f.target for f in findings} == set(TARGET_NAMES)
-    short = {"fwd_short"} if spec.config("triton_gpu").short_kv_len else set()
-    assert {f.kernel for f in findings} == {"fwd", "bwd_dq", "bwd_dkdv", "bwd"} | short
+    config = spec.config("triton_gpu")
+    gpu_kernels = {k.name for k in TRITON_GPU.kernels if k.enabled_by is None or getattr(config, k.enabled_by)}
+    assert {f.kernel for f in findings if f.target.startswith("sm")} == gpu_kernels  # every declared kernel
+    assert {f.kernel for f in findings if f.target.startswith("tpu")} == {"fwd", "bwd"}
     failures = [f.line() for f in findings if not f.ok]
     assert not failures, failures
     tpu = [f for f in findings if f.target.startswith("tpu")]

@@ -52,8 +52,8 @@ class Arg:
     """A runtime argument of a GPU kernel, as a launch on contiguous inputs specialises it.
 
     kind: "desc" a tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width]
-    tiles (rows: the kernel's constexpr naming them; width: "d" head_dim or "dv" head_dim_v), or a
-    Triton type: "*fp32" (a pointer), "i32", "fp32". divisible: the value is a multiple of 16 (a
+    tiles (rows: the kernel's constexpr naming them; width: "d" head_dim or "dv" head_dim_v), "*in"
+    a pointer to the spec's dtype, or a Triton type: "*fp32", "*i32" (pointers), "i32", "fp32". divisible: the value is a multiple of 16 (a
     pointer: 16-byte aligned), which the compiler may assume.
     """
 
@@ -68,6 +68,8 @@ def desc(rows: str, width: str = "d") -> Arg:
 
 
 F32_POINTER = Arg("*fp32", divisible=True)
+I32_POINTER = Arg("*i32", divisible=True)
+INPUT_POINTER = Arg("*in", divisible=True)  # a pointer to the spec's dtype (q, k, v, out)
 I32 = Arg("i32")
 FP32 = Arg("fp32")
 # The arguments every attention kernel takes after its tensors.

@@ -11,7 +11,19 @@ from functools import cache
 from pathlib import Path
 
 from attngen.analysis.tiles import BY_KEY_BLOCK, BY_QUERY_BLOCK
-from attngen.backends.base import F32_POINTER, PROBLEM_ARGS, Backend, Counted, Kernel, ProblemShape, Report, desc
+from attngen.backends.base import (
+    F32_POINTER,
+    I32_POINTER,
+    INPUT_POINTER,
+    PROBLEM_ARGS,
+    Arg,
+    Backend,
+    Counted,
+    Kernel,
+    ProblemShape,
+    Report,
+    desc,
+)
 from attngen.backends.emit import Dialect
 
 
@@ -42,6 +54,13 @@ class TritonConfig:
     dkdv_block_n: int
     dkdv_num_warps: int
     dkdv_num_stages: int
+    # Decoding from a KV cache: up to decode_block_m query rows (the new tokens of every query
+    # head of one kv head, packed) per program, decode_block_n cached keys per step. Not in the
+    # tuned table yet: these defaults hold for every GPU.
+    decode_block_m: int = 64
+    decode_block_n: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 3
 
     def tiles(self, kernel: Kernel) -> dict[str, int]:
         """block_m, block_n, num_warps and num_stages of one kernel."""
@@ -124,6 +143,42 @@ KERNELS = (
         ),
         # GQA group 1 in one part: each group size and split compiles a kernel of its own.
         constexprs=(("GROUP", 1), ("SPLITS", 1)),
+    ),
+    Kernel(
+        "decode",
+        "kvcache",
+        "_decode_fwd",
+        "decode.py.jinja",
+        about="Decoding from a KV cache: DECODE_BLOCK_M packed query rows per program, DECODE_BLOCK_N keys per step.",
+        walks=BY_QUERY_BLOCK,
+        step="BLOCK_N",
+        tiles="decode_",
+        arguments=(
+            ("Q", INPUT_POINTER),
+            ("K", INPUT_POINTER),
+            ("V", INPUT_POINTER),
+            ("O", INPUT_POINTER),
+            ("LSE", F32_POINTER),
+            ("O_PARTS", F32_POINTER),
+            ("LSE_PARTS", F32_POINTER),
+            ("CACHE_SEQLENS", I32_POINTER),
+            ("BLOCK_TABLE", I32_POINTER),
+            ("num_heads", Arg("i32", divisible=True)),
+            ("new_tokens", Arg("i32")),
+            ("capacity", Arg("i32")),
+            ("page_size", Arg("i32")),
+            ("num_pages", Arg("i32")),
+            ("table_stride", Arg("i32")),
+            ("k_stride_page", Arg("i32")),
+            ("k_stride_head", Arg("i32")),
+            ("k_stride_row", Arg("i32")),
+            ("v_stride_page", Arg("i32")),
+            ("v_stride_head", Arg("i32")),
+            ("v_stride_row", Arg("i32")),
+            ("scale", Arg("fp32")),
+        ),
+        # One query head per kv head, a contiguous cache, no split: each compiles its own kernel.
+        constexprs=(("GROUP", 1), ("PAGED", 0), ("SPLIT", 0)),
     ),
 )
 

@@ -73,6 +73,8 @@ def _signature(module, kernel: Kernel, dtype: str):
         "BLOCK_N": tiles["block_n"],
         "BLOCK_D": module.BLOCK_D,
         "BLOCK_DV": module.BLOCK_DV,
+        "HEAD_DIM": module.HEAD_DIM,
+        "HEAD_DIM_V": module.HEAD_DIM_V,
     }
     widths = {"d": module.BLOCK_D, "dv": module.BLOCK_DV}
     tensors = getattr(module, "TENSOR_PARAMS", {})
@@ -85,7 +87,7 @@ def _signature(module, kernel: Kernel, dtype: str):
             rows = constexpr_values[declared.rows]
             signature[name] = f"tensordesc<{_ELEMENT[dtype]}[1,1,{rows},{widths[declared.width]}]>"
         elif declared is not None:
-            signature[name] = declared.kind
+            signature[name] = f"*{_ELEMENT[dtype]}" if declared.kind == "*in" else declared.kind
         # What the spec adds after the declared arguments: block tables, then its params.
         elif name == "TABLES":  # block tables of a mask that reads tensors (_block_tables)
             signature[name], declared = "*i32", Arg("*i32", divisible=True)

@@ -96,5 +96,3 @@ def param_declared(name: str, declared: Any) -> tuple[Param | None, str | None]:
     if any(isinstance(d, int) and d > 2**31 - 1 for d in shape):
         return None, "an axis does not fit in int32"
     return Param(name, PARAM_TYPES[m.group(1)], tuple(shape)), None
-
-

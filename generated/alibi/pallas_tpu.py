@@ -399,7 +399,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _check_params(params):
-    """The spec's params, checked: (scalars by name, in kernel order; tensors by name)."""
+    """The spec's params, checked: (scalars by name, in kernel order; tensors by name).    """
     names = [*PARAMS]
     missing = [name for name in names if name not in params]
     unknown = [name for name in params if name not in names]

@@ -425,7 +425,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, **param
         Differentiable in q, k and v (and through lse); params and scale get no gradient.
     """
     _check_inputs(q, k, v)
-    scalars, tensors = _check_params(params, q, k)
+    scalars, tensors = _check_params(params, q, _problem_sizes(q, k))
     int_values = [value for name, value in scalars.items() if PARAMS[name] is int]
     float_values = [value for name, value in scalars.items() if PARAMS[name] is float]
     tensors = {name: jnp.asarray(value, jnp.int32 if TENSOR_PARAMS[name][0] is int else jnp.float32) for name, value in tensors.items()}
@@ -462,8 +462,10 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return out.astype(out_a.dtype), lse
 
 
-def _check_params(params, q, k):
-    """The spec's params, checked: (scalars by name, in kernel order; tensors by name)."""
+def _check_params(params, q, sizes):
+    """The spec's params, checked: (scalars by name, in kernel order; tensors by name).
+    Tensors are checked against `sizes`, the problem's size of each axis name (_problem_sizes),
+    and must be where q is.    """
     names = [*PARAMS, *TENSOR_PARAMS]
     missing = [name for name in names if name not in params]
     unknown = [name for name in params if name not in names]
@@ -479,7 +481,7 @@ def _check_params(params, q, k):
         if kind is int and not -(2**31) <= value < 2**31:
             raise ValueError(f"param {name} must fit in int32, got {value}")
         scalars[name] = kind(value)
-    sizes = {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k.shape[1], "q_len": q.shape[2], "kv_len": k.shape[2]}
+    sizes = dict(sizes)  # a free axis name takes the size of its first tensor
     tensors = {}
     for name, (kind, axes) in TENSOR_PARAMS.items():
         value = params[name]
@@ -495,6 +497,11 @@ def _check_params(params, q, k):
                 raise ValueError(f"param {name} has shape {list(value.shape)}, declared [{', '.join(map(str, axes))}]: {axis} = {wanted}")
         tensors[name] = value
     return scalars, tensors
+
+
+def _problem_sizes(q, k):
+    """The size of each axis name a tensor param may declare, for attention over q, k."""
+    return {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k.shape[1], "q_len": q.shape[2], "kv_len": k.shape[2]}
 
 
 def _check_inputs(q, k, v):

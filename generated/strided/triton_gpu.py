@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); some tiles cannot be bounded at compile time: they run the mask
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.strided_058d8fad2a48_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.strided_7de43361bb39_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -48,6 +48,11 @@ DKDV_BLOCK_M = 64
 DKDV_BLOCK_N = 128
 DKDV_NUM_WARPS = 8
 DKDV_NUM_STAGES = 3
+# Decoding from a KV cache: DECODE_BLOCK_M packed query rows per program, DECODE_BLOCK_N keys per step.
+DECODE_BLOCK_M = 64
+DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
 # GQA and MQA: the dK/dV grid grows to this many programs per SM by splitting query-head groups
 # (see _group_splits; BENCHMARKS.md has the sweep behind it).
 PROGRAMS_PER_SM = 4
@@ -332,6 +337,282 @@ def _attention_bwd_dkdv(
     dv_desc.store([b, part, kv_first, 0], dv.to(dv_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_DV]))
 
 
+@triton.jit
+def _decode_kv_blocks(
+    acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, page_size, num_pages,
+    k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
+    b, h, h_kv, block_lo, block_hi, q_idx, q_len, kv_len, scale, param_stride,
+    MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+):
+    """Online softmax over a run of cached kv blocks; MASKED runs the mask (PARTIAL tiles)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for block in range(block_lo, block_hi):
+        kv_pos = block * BLOCK_N + offs_n
+        in_cache = kv_pos < kv_len
+        if PAGED:
+            # Each key's page from the block table; an index past the pages reads the last one.
+            page = tl.load(BLOCK_TABLE + b * table_stride + kv_pos // page_size, mask=in_cache, other=0)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+            row = kv_pos % page_size
+        else:
+            page = b.to(tl.int64)
+            row = kv_pos
+        k_rows = K + page * k_stride_page + h_kv * k_stride_head + row * k_stride_row
+        v_rows = V + page * v_stride_page + h_kv * v_stride_head + row * v_stride_row
+        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=in_cache[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32
+        kv_idx = kv_pos[None, :]
+        x = _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_stride)
+        if MASKED:
+            x = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_stride), x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        # A row that has seen no visible key yet keeps m = -inf and is shifted by 0 (see the forward).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(x - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=in_cache[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["new_tokens", "capacity", "num_pages", "param_stride"])
+def _decode_fwd(
+    Q, K, V, O, LSE, O_PARTS, LSE_PARTS, CACHE_SEQLENS, BLOCK_TABLE,
+    num_heads, new_tokens, capacity, page_size, num_pages, table_stride, k_stride_page, k_stride_head,
+    k_stride_row, v_stride_page, v_stride_head, v_stride_row, scale, param_stride,
+    GROUP: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+):
+    """The new tokens of one sequence and every query head of one kv head (rows: head-major), against
+    one split of the cached keys. SPLIT: write this split's normalised output and LSE (float32) for
+    _merge_splits; else the output itself."""
+    split, num_splits = tl.program_id(0), tl.num_programs(0)
+    kv_heads = num_heads // GROUP
+    b = tl.program_id(1) // kv_heads
+    h_kv = tl.program_id(1) % kv_heads
+    rows = GROUP * new_tokens
+    row_first = tl.program_id(2) * BLOCK_M
+    row_last = tl.minimum(row_first + BLOCK_M, rows) - 1
+    r = row_first + tl.arange(0, BLOCK_M)
+    row_in = r < rows
+    r = tl.minimum(r, rows - 1)  # padding rows repeat the last row (never stored)
+    # The spec's expressions see the cached sequence: positions 0 .. seq_len - 1, the new tokens
+    # last, and its length as both q_len and kv_len (lengths past the cache are clamped to it).
+    seq_len = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + b), 0), capacity)
+    q_len = seq_len
+    kv_len = seq_len
+    q_idx = (seq_len - new_tokens + r % new_tokens)[:, None]
+    # The positions this tile's rows hold: all the new tokens once it spans two heads.
+    one_head = row_first // new_tokens == row_last // new_tokens
+    q_first = seq_len - new_tokens + tl.where(one_head, row_first % new_tokens, 0)
+    q_last = seq_len - new_tokens + tl.where(one_head, row_last % new_tokens, new_tokens - 1)
+
+    # Tile analysis: kv blocks outside [kv_lo, kv_hi) are EMPTY and never read; [full_lo, full_hi)
+    # are FULL and run without mask code.
+    kv_lo = 0
+    kv_hi = floordiv(tl.minimum(BLOCK_N + q_last, BLOCK_N + kv_len - 1), BLOCK_N)
+    full_lo = tl.minimum(kv_hi, tl.maximum(kv_lo, floordiv(tl.maximum(BLOCK_N - 1, BLOCK_N + q_last - param_stride), BLOCK_N)))
+    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, q_first + 1) // BLOCK_N))
+    # This program's split of the visited blocks, cut into PARTIAL, FULL, PARTIAL runs.
+    per_split = tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), num_splits)
+    split_lo = tl.minimum(kv_lo + split * per_split, kv_hi)
+    split_hi = tl.minimum(split_lo + per_split, kv_hi)
+    run_lo = tl.minimum(tl.maximum(full_lo, split_lo), split_hi)
+    run_hi = tl.minimum(tl.maximum(full_hi, run_lo), split_hi)
+
+    h = (h_kv * GROUP + r // new_tokens)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    out_rows = ((b * num_heads + h_kv * GROUP) * new_tokens + r).to(tl.int64)  # rows of [B * H * new_tokens]
+    q = tl.load(Q + out_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc, l_i, m_i = _decode_kv_blocks(
+        acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, page_size, num_pages,
+        k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
+        b, h, h_kv, split_lo, run_lo, q_idx, q_len, kv_len, scale, param_stride,
+        MASKED=True, PAGED=PAGED, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+    )
+    acc, l_i, m_i = _decode_kv_blocks(
+        acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, page_size, num_pages,
+        k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
+        b, h, h_kv, run_lo, run_hi, q_idx, q_len, kv_len, scale, param_stride,
+        MASKED=False, PAGED=PAGED, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+    )
+    acc, l_i, m_i = _decode_kv_blocks(
+        acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, page_size, num_pages,
+        k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
+        b, h, h_kv, run_hi, split_hi, q_idx, q_len, kv_len, scale, param_stride,
+        MASKED=True, PAGED=PAGED, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+    )
+
+    # A row with no visible key (in this split) has l = 0 and acc = 0: output 0, LSE -inf.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)
+    store = row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    if SPLIT:
+        parts = split * tl.num_programs(1) * GROUP * new_tokens + out_rows  # [splits, B * H * new_tokens]
+        tl.store(O_PARTS + parts[:, None] * HEAD_DIM_V + offs_dv[None, :], out, mask=store)
+        tl.store(LSE_PARTS + parts, lse, mask=row_in)
+    else:
+        tl.store(O + out_rows[:, None] * HEAD_DIM_V + offs_dv[None, :], out.to(O.dtype.element_ty), mask=store)
+        tl.store(LSE + out_rows, lse, mask=row_in)
+
+
+def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_splits):
+    """(out, lse) of the new tokens q [B, H, T, D] against a KV cache (see attention_with_kvcache)."""
+    batch, heads, new_tokens, _ = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    paged = block_table is not None
+    page_size = k_cache.shape[2]
+    capacity = block_table.shape[1] * page_size if paged else page_size
+    q = q.contiguous()
+    out = q.new_empty((batch, heads, new_tokens, HEAD_DIM_V))
+    lse = torch.empty((batch, heads, new_tokens), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    block_m = max(16, min(triton.next_power_of_2(group * new_tokens), DECODE_BLOCK_M))
+    row_blocks = triton.cdiv(group * new_tokens, block_m)
+    if num_splits is None:
+        num_splits = _decode_splits(batch * kv_heads * row_blocks, capacity, q.device)
+    parts = None
+    if num_splits > 1:
+        parts = torch.empty((num_splits, batch, heads, new_tokens, HEAD_DIM_V), device=q.device, dtype=torch.float32)
+        lse_parts = torch.empty((num_splits, batch, heads, new_tokens), device=q.device, dtype=torch.float32)
+    table = block_table if paged else cache_seqlens  # (unread without pages)
+    _decode_fwd[(num_splits, batch * kv_heads, row_blocks)](
+        q, k_cache, v_cache, out, lse, parts if parts is not None else lse, lse_parts if parts is not None else lse,
+        cache_seqlens, table, heads, new_tokens, capacity, page_size, k_cache.shape[0],
+        table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
+        GROUP=group, PAGED=paged, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+    )
+    if num_splits > 1:
+        rows = batch * heads * new_tokens
+        _merge_splits[(rows,)](
+            parts, lse_parts, out, lse, rows,
+            SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=BLOCK_DV, HEAD_DIM_V=HEAD_DIM_V,
+        )
+    return out, lse
+
+
+@triton.jit
+def _merge_splits(
+    O_PARTS, LSE_PARTS, O, LSE, rows,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+):
+    """One row's output and LSE over all the keys from each split's (as merge_partials): the
+    splits' outputs weighted by exp(lse_split - lse); a row no split saw stays 0 with LSE -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.arange(0, BLOCK_S)
+    lse_parts = tl.load(LSE_PARTS + split * rows + row, mask=split < SPLITS, other=float("-inf"))
+    top = tl.max(lse_parts, 0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.exp(lse_parts - shift)
+    total = tl.sum(weights, 0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    parts = tl.load(
+        O_PARTS + (split * rows + row)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+        mask=(split < SPLITS)[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * (weights / tl.where(total == 0.0, 1.0, total))[:, None], 0)
+    tl.store(O + row * HEAD_DIM_V + offs_dv, out.to(O.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+    tl.store(LSE + row, tl.where(total == 0.0, float("-inf"), shift + tl.log(total)))
+
+
+def _decode_splits(programs, capacity, device):
+    """In how many splits the keys of a sequence are walked (flash-decoding): enough programs for
+    four per SM, each split at least two blocks of the cache's capacity."""
+    wanted = triton.cdiv(4 * _sm_count(device), programs)
+    return max(1, min(wanted, triton.cdiv(capacity, 2 * DECODE_BLOCK_N), 128))
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, return_lse=False, num_splits=None, **params):
+    """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
+    tokens, chunked prefill), for spec `strided`; inference only (no autograd).
+
+    The cache holds each sequence's keys and values at positions 0 .. cache_seqlens[b] - 1, the new
+    tokens' own among them, last: query i of sequence b sits at position cache_seqlens[b] - T + i.
+    The mask and score see these positions (q_idx, kv_idx), and the sequence's length as q_len
+    and kv_len, so the result is the last T rows of `attention` over the whole sequence.
+
+    Args:
+        q: [batch, heads, T, 128] torch.bfloat16, the T new tokens of each sequence.
+        k_cache: [batch, kv_heads, max_len, 128], or paged: [num_pages, kv_heads, page_size, 128]
+            with block_table; kv_heads divides heads (query head h reads kv head h // (heads // kv_heads)).
+        v_cache: like k_cache, 128 wide.
+        cache_seqlens: int32 [batch], each sequence's length in the cache (the new tokens included);
+            clamped into [0, capacity]. A sequence shorter than T leaves its first queries without keys.
+        block_table: int32 [batch, max_pages] (paged caches): the pages of each sequence, in order;
+            an index past the pages reads the last page.
+        scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
+        return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
+        num_splits: how many programs share the keys of one sequence (default: enough to fill the GPU).
+        stride (int): runtime parameter of the spec.
+
+    Returns:
+        out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
+    """
+    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+    capacity = block_table.shape[1] * k_cache.shape[2] if block_table is not None else k_cache.shape[2]
+    scalars, tensors = _check_params(params)
+    if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(HEAD_DIM)
+    with torch.no_grad():
+        out, lse = _decode(q, k_cache, v_cache, cache_seqlens, block_table, float(scale), [*scalars.values(), *tensors.values()], num_splits)
+    return (out, lse) if return_lse else out
+
+
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
+    """The inputs of attention_with_kvcache: shapes, dtypes, devices and layouts, before any launch."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D torch tensor")
+        if t.dtype != DTYPE:
+            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        if t.shape[-1] != (HEAD_DIM_V if name == "v_cache" else HEAD_DIM):
+            raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {HEAD_DIM_V if name == 'v_cache' else HEAD_DIM}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(t.stride())}")
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
+        raise ValueError(
+            f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+            " (caches alike; kv heads dividing q heads)"
+        )
+    tables = [("cache_seqlens", cache_seqlens, (q.shape[0],))]
+    if block_table is not None:
+        tables.append(("block_table", block_table, (q.shape[0], None)))
+    elif k_cache.shape[0] != q.shape[0]:
+        raise ValueError(f"a contiguous cache holds one sequence per batch entry: k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}")
+    for name, t, shape in tables:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 torch tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if block_table is not None and block_table.stride(-1) != 1:
+        raise ValueError("block_table must have a contiguous last dim")
+
+
 def _descriptor(t, rows, width=BLOCK_D):
     """A tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width] tiles.
 
@@ -427,7 +708,7 @@ def _sm_count(device):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are contiguous whatever the inputs' layout, in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "strided_058d8fad2a48"
+_OP = "strided_7de43361bb39"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -458,7 +739,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = torch.ops.attngen.strided_058d8fad2a48_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.strided_7de43361bb39_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -503,7 +784,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, **params):
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.strided_058d8fad2a48_fwd if torch.compiler.is_compiling() else _Attention.apply
+    run = torch.ops.attngen.strided_7de43361bb39_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     return (out, lse) if return_lse else out
 
@@ -523,7 +804,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _check_params(params):
-    """The spec's params, checked: (scalars by name, in kernel order; tensors by name)."""
+    """The spec's params, checked: (scalars by name, in kernel order; tensors by name).    """
     names = [*PARAMS]
     missing = [name for name in names if name not in params]
     unknown = [name for name in params if name not in names]

@@ -1,0 +1,192 @@
+"""Decoding from a KV cache on the GPU: exactness, then bandwidth against the peers in one run.
+
+The newest T tokens of each of B sequences (T = 1: decoding; T = 4, 16: speculative tokens)
+against a cache of L keys per sequence, H query heads over H_kv kv heads (GQA), bf16, D = 128.
+Ours: `attention_with_kvcache` of specs/causal.toml (queries at positions L - T .. L - 1, causal
+among themselves), on a contiguous cache and on paged caches (16- and 256-token pages, pages in
+random order). Peers, same inputs: torch SDPA's FlashAttention-2 and cuDNN backends and compiled
+FlexAttention, each over the contiguous cache with `enable_gqa` and no mask (for T > 1 the causal
+mask among the T new tokens is omitted there: T << L, the same work). Each row is first checked
+against a float64 reference by attngen.exactness's rule; then timed with triton.testing.do_bench
+(median). GB/s count the K and V bytes read once (B * H_kv * L * 2 * D * 2 bytes) per call; % peak
+is against a device-to-device copy measured in the same run.
+
+    python bench/decode.py [--lens 1024,8192,32768,131072] [--tokens 1,4,16] [--batch 8]
+
+Prints a table last; writes results.json to $OUT (or ./bench-out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from attngen.build import import_generated, write_package
+from attngen.exactness import judge
+from attngen.spec import load_spec
+
+bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 4 GiB device-to-device copy (bytes read + written): the HBM peak we measure against."""
+    source = torch.empty(2**31, dtype=torch.bfloat16, device="cuda")
+    target = torch.empty_like(source)
+    ms = bench(lambda: target.copy_(source))
+    return 2 * 2**32 / ms / 1e6
+
+
+def paged(k: torch.Tensor, v: torch.Tensor, page_size: int, generator):
+    """The contiguous caches [B, H_kv, L, D] as pages [B * L / page_size, H_kv, page_size, D] in one
+    random order, and the block table [B, L / page_size] that reads them back: (k pages, v pages, table)."""
+    batch, kv_heads, length, dim = k.shape
+    per_sequence = length // page_size
+    order = torch.randperm(batch * per_sequence, generator=generator, device="cpu").to(k.device)
+
+    def pages_of(cache):
+        pages = cache.reshape(batch, kv_heads, per_sequence, page_size, dim).permute(0, 2, 1, 3, 4)
+        out = torch.empty_like(pages.reshape(batch * per_sequence, kv_heads, page_size, dim))
+        out[order] = pages.reshape(batch * per_sequence, kv_heads, page_size, dim)
+        return out
+
+    return pages_of(k), pages_of(v), order.view(batch, per_sequence).int()
+
+
+def reference(q, k, v, dtype):
+    """Attention of the T new tokens (bottom-right causal) over the cache, in `dtype` (float64: the
+    oracle; the inputs' dtype: the same-precision baseline, probabilities rounded as a kernel does)."""
+    heads, kv_heads, new_tokens, length = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)).to(accumulate) / math.sqrt(q.shape[-1])
+    position = torch.arange(length - new_tokens, length, device=q.device)[:, None]
+    scores = scores.masked_fill(torch.arange(length, device=q.device)[None, :] > position, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(dtype)
+    return (probs @ v.to(dtype)).to(accumulate)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lens", default="1024,8192,32768,131072")
+    parser.add_argument("--tokens", default="1,4,16")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT") or "bench-out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = load_spec(ROOT / "specs" / "causal.toml")
+    scratch = Path(tempfile.mkdtemp(prefix="attngen-decode-"))
+    write_package(spec, scratch)
+    module = import_generated(scratch / spec.name / "triton_gpu.py", "attngen_decode_causal")
+    flex = torch.compile(flex_attention)
+    peak = copy_bandwidth()
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_gb_s": peak,
+        "command": "python3 " + " ".join(sys.argv),
+    }
+    print(env, flush=True)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for length in map(int, args.lens.split(",")):
+        for row in measure(module, flex, args, spec.head_dim, length, generator):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (out_dir / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+        torch.cuda.empty_cache()
+
+    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, spec.head_dim
+    names = list(rows[0]["impls"])
+    print(f"\nGB/s of K+V read (% of the {peak:.0f} GB/s copy); B={B}, H={H}, H_kv={Hkv}, D={D}, bf16")
+    print(f"{'L':>7} {'T':>3} " + " ".join(f"{n:>16}" for n in names) + "  ours/FA2 ours/cuDNN ours/Flex")
+    for r in rows:
+        cells = []
+        for n in names:
+            x = r["impls"][n]
+            cells.append(
+                f"{x['gb_s']:6.0f} ({100 * x['gb_s'] / peak:3.0f}%){'' if x['exact'] is not False else '!'}"
+                if "gb_s" in x
+                else f"{'ERR':>16}"
+            )
+        ratios = [_ratio(r["impls"], peer) for peer in ("FA2", "cuDNN", "Flex")]
+        print(
+            f"{r['len']:7d} {r['new_tokens']:3d} "
+            + " ".join(f"{c:>16}" for c in cells)
+            + "  {:>8} {:>10} {:>9}".format(*ratios)
+        )
+    print("!: not exact by attngen.exactness's rule")
+
+
+def _ratio(impls, peer):
+    ours, theirs = impls["ours"], impls[peer]
+    return f"{ours['gb_s'] / theirs['gb_s']:.2f}" if "gb_s" in ours and "gb_s" in theirs else "–"
+
+
+def impls(module, flex, q, k, v, lens, pages):
+    """Each implementation's call on the same inputs."""
+
+    def paged_call(size):
+        k_pages, v_pages, table = pages[size]
+        return lambda: module.attention_with_kvcache(q, k_pages, v_pages, lens, block_table=table)
+
+    return {
+        "ours": lambda: module.attention_with_kvcache(q, k, v, lens),
+        "ours paged 16": paged_call(16),
+        "ours paged 256": paged_call(256),
+        "FA2": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v),
+        "cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v),
+        "Flex": lambda: flex(q, k, v, enable_gqa=True),
+    }
+
+
+def measure(module, flex, args, head_dim, length, generator):
+    """The rows of one cache length: each number of new tokens, each implementation."""
+    B, H, Hkv, D = args.batch, args.heads, args.kv_heads, head_dim
+    k, v = (torch.randn(B, Hkv, length, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pages = {size: paged(k, v, size, generator) for size in (16, 256)}
+    lens = torch.full((B,), length, dtype=torch.int32, device="cuda")
+    bytes_read = B * Hkv * length * 2 * D * 2
+    for new_tokens in map(int, args.tokens.split(",")):
+        q = torch.randn(B, H, new_tokens, D, device="cuda", dtype=torch.bfloat16)
+        # Exactness on the first two sequences (the float64 reference materialises the scores).
+        exact = reference(q[:2], k[:2], v[:2], torch.float64)
+        baseline = (reference(q[:2], k[:2], v[:2], torch.bfloat16) - exact).abs().max().item()
+        row = {"len": length, "new_tokens": new_tokens, "batch": B, "heads": H, "kv_heads": Hkv, "impls": {}}
+        for name, fn in impls(module, flex, q, k, v, lens, pages).items():
+            try:
+                out = fn()
+                err = (out[:2].double() - exact).abs().max().item()
+                # Peers run without the mask among the T new tokens: judged only at T = 1.
+                judged = name.startswith("ours") or new_tokens == 1
+                ok = judge("bfloat16", {"out": err}, {"out": baseline}).ok if judged else None
+                ms = bench(fn)
+                row["impls"][name] = {"ms": ms, "gb_s": bytes_read / ms / 1e6, "error": err, "exact": ok}
+            except Exception as e:  # noqa: BLE001  (a peer that cannot run this shape)
+                row["impls"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"}
+        yield row
+
+
+def _sdpa(backend, q, k, v):
+    with sdpa_kernel(backend):
+        return sdpa(q, k, v, enable_gqa=True)
+
+
+if __name__ == "__main__":
+    main()
