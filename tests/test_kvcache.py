@@ -151,6 +151,19 @@ def test_a_split_of_no_keys_merges_to_nothing():
     check("sliding_window", problem)
 
 
+def test_a_cache_in_another_layout_is_read_in_place():
+    """FlashAttention's [batch, max_len, kv_heads, D] cache, as a transposed view: the same result."""
+    spec = retarget(load_spec("specs/sliding_window.toml"), 32, "float32")
+    module = harness.load_target(spec, "triton_gpu")
+    q, k, v = torch.randn(2, 4, 3, 32), torch.randn(2, 70, 2, 32), torch.randn(2, 70, 2, 32)
+    lens = torch.tensor([70, 41], dtype=torch.int32)
+    strided = module.attention_with_kvcache(q, k.transpose(1, 2), v.transpose(1, 2), lens, window=20)
+    copied = module.attention_with_kvcache(
+        q, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), lens, window=20
+    )
+    assert torch.equal(strided, copied)
+
+
 def test_bad_inputs_are_refused_before_launch():
     spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
     module = harness.load_target(spec, "triton_gpu")

@@ -1,0 +1,97 @@
+"""The generated Triton kernels compiled for the GPU at hand (not the interpreter), at sizes the
+interpreter cannot reach: forward and gradients of a spread of specs, and decoding from a paged
+cache. Marked `gpu`: skipped without CUDA; on a GPU machine,
+
+    TRITON_INTERPRET=0 pytest -m gpu -n 4 tests/test_gpu.py
+"""
+
+import pytest
+import torch
+
+from attngen.exactness import assert_forward, assert_grads
+from attngen.reference import attention_ref_torch
+from attngen.spec import load_spec
+from attngen.testing import example_params
+from tests import harness
+
+pytestmark = pytest.mark.gpu
+
+SPECS = ["causal", "full", "sliding_window", "document", "alibi_slopes", "softcap", "value_dim"]
+
+
+def _inputs(spec, batch, heads, q_len, kv_len, seed):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = getattr(torch, spec.dtype)
+    shapes = ((batch, heads, q_len, spec.head_dim), (batch, heads, kv_len, spec.head_dim))
+    shapes += ((batch, heads, kv_len, spec.value_dim), (batch, heads, q_len, spec.value_dim))
+    return [torch.randn(s, device="cuda", generator=generator).to(dtype) for s in shapes]
+
+
+def _params(name, batch, heads, q_len, kv_len, seed):
+    params = example_params(name, batch, heads, q_len, kv_len, seed=seed)
+    return {k: torch.as_tensor(v, device="cuda") if hasattr(v, "shape") else v for k, v in params.items()}
+
+
+def _out_and_grads(fn, q, k, v, dout):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fn(*leaves)
+    return out.detach(), lse.detach(), torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", SPECS)
+def test_specs_exact_on_the_gpu(name, dtype):
+    spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), dtype)
+    module = harness.load_target(spec, "triton_gpu")
+    batch, heads, q_len, kv_len = 2, 4, 1537, 2049  # longer than the short-sequence forward, odd tails
+    q, k, v, dout = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
+    params = _params(name, batch, heads, q_len, kv_len, seed=1)
+    out, lse, grads = _out_and_grads(lambda *x: module.attention(*x, return_lse=True, **params), q, k, v, dout)
+    ref_out, ref_lse, ref_grads = _out_and_grads(
+        lambda *x: attention_ref_torch(spec, *x, dtype=torch.float64, **params), q, k, v, dout
+    )
+    base_out, _, base_grads = _out_and_grads(
+        lambda *x: attention_ref_torch(spec, *x, dtype=q.dtype, **params), q, k, v, dout
+    )
+    assert_forward(dtype, out, lse, ref_out, ref_lse, base_out)
+    assert_grads(dtype, grads, ref_grads, base_grads)
+
+
+def test_decoding_from_a_paged_cache_on_the_gpu():
+    spec = load_spec("specs/causal.toml")
+    module = harness.load_target(spec, "triton_gpu")
+    batch, heads, kv_heads, new_tokens, page_size, pages = 4, 8, 2, 3, 64, 40  # 2560 keys a sequence
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    k, v = (torch.randn(batch, kv_heads, pages * page_size, 128, device="cuda", generator=generator) for _ in range(2))
+    q = torch.randn(batch, heads, new_tokens, 128, device="cuda", generator=generator)
+    lens = torch.tensor([2560, 1000, 64, 2049], dtype=torch.int32, device="cuda")
+    order = torch.randperm(batch * pages, device="cuda", generator=generator)
+    table = order.view(batch, pages).int()
+
+    def paged(cache):
+        out = torch.empty(batch * pages, kv_heads, page_size, 128, device="cuda")
+        out[order] = (
+            cache.view(batch, kv_heads, pages, page_size, 128).transpose(1, 2).reshape(-1, kv_heads, page_size, 128)
+        )
+        return out.bfloat16()
+
+    q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
+    out, lse = module.attention_with_kvcache(q16, paged(k), paged(v), lens, block_table=table, return_lse=True)
+    for b, length in enumerate(lens.tolist()):
+        causal = (
+            torch.arange(length, device="cuda")[None, :]
+            <= torch.arange(length - new_tokens, length, device="cuda")[:, None]
+        )
+
+        def reference(dtype, b=b, length=length, causal=causal):
+            keys, values = (
+                x[b : b + 1, :, :length].repeat_interleave(heads // kv_heads, 1).to(dtype) for x in (k16, v16)
+            )
+            scores = (q16[b : b + 1].to(dtype) @ keys.transpose(-1, -2)).double() / 128**0.5
+            scores = scores.masked_fill(~causal, float("-inf"))
+            probs = torch.softmax(scores, -1)
+            return (probs.to(dtype) @ values).double(), torch.logsumexp(scores, -1)
+
+        ref_out, ref_lse = reference(torch.float64)
+        base_out, _ = reference(torch.bfloat16)
+        assert_forward("bfloat16", out[b : b + 1], lse[b : b + 1], ref_out, ref_lse, base_out)
