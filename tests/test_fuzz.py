@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from attngen.build import package_sources
 from attngen.cli import main
 from attngen.errors import AttngenError, SpecError
-from attngen.spec import Spec, _TomlPositions, load_spec, parse_spec
+from attngen.spec import Spec, load_spec, parse_spec
+from attngen.spec.positions import TomlPositions
 from tests import harness
 from tests.strategies import (
     FLOAT_PARAM,
@@ -95,7 +96,7 @@ def assert_positions_agree_with_tomllib(text: str) -> None:
         data = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, RecursionError, ValueError):
         return
-    for path, offsets in _TomlPositions(text).strings.items():
+    for path, offsets in TomlPositions(text).strings.items():
         value = data
         for key in path:
             if isinstance(value, list):  # inside an array of tables: not followed

@@ -1,7 +1,6 @@
 """Generated Pallas TPU kernels, run on the CPU in interpret mode, against the float64 oracle:
 forward, gradients through jax.custom_vjp, and jit / grad / vmap."""
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
