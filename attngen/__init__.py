@@ -8,7 +8,15 @@ Pipeline (one module or folder per stage, data flows one way):
 reference.py is the float64 oracle, exactness.py the rule that judges kernels against it.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
+from attngen.build import load
 from attngen.errors import AttngenError, SpecError
 from attngen.spec import Spec, load_spec, parse_spec
 
-__all__ = ["AttngenError", "Spec", "SpecError", "load_spec", "parse_spec"]
+try:
+    __version__ = version("attngen")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "unknown"
+
+__all__ = ["AttngenError", "Spec", "SpecError", "__version__", "load", "load_spec", "parse_spec"]

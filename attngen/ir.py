@@ -39,6 +39,11 @@ FUNCTIONS = {
     "log": (1, "float"),
     "sqrt": (1, "float"),
     "tanh": (1, "float"),
+    "sin": (1, "float"),
+    "cos": (1, "float"),
+    "tan": (1, "float"),
+    "exp2": (1, "float"),
+    "log2": (1, "float"),
     "abs": (1, "same"),
     "min": (2, "same"),
     "max": (2, "same"),
@@ -117,7 +122,9 @@ class Func(Expr):
 @dataclass(frozen=True)
 class Load(Expr):
     """An element of a tensor param, `tensor[indices]`. Each index is clamped into the tensor's
-    extent along its axis (as jnp indexing clamps), so a load never reads outside the tensor."""
+    extent along its axis (as jnp indexing clamps), so a load never reads outside the tensor.
+    An element of a bool tensor is a BOOL load; kernels hold such tensors as 0/1 ints, and the
+    passes that reason about values (sympy) read them as `element != 0`."""
 
     tensor: str  # the param's name
     indices: tuple[Expr, ...]  # int, one per axis
@@ -162,7 +169,7 @@ def is_nonnegative(e: Expr) -> bool:
         return is_nonnegative(e.lhs) and is_nonnegative(e.rhs)
     if isinstance(e, Func) and e.name == "max":
         return any(is_nonnegative(a) for a in e.args)
-    if isinstance(e, Func) and e.name in ("min", "abs", "exp", "sqrt"):
+    if isinstance(e, Func) and e.name in ("min", "abs", "exp", "exp2", "sqrt"):
         return e.name != "min" or all(is_nonnegative(a) for a in e.args)
     if isinstance(e, Where):
         return is_nonnegative(e.if_true) and is_nonnegative(e.if_false)

@@ -7,6 +7,7 @@ backend passes in.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ class ParamPlan:
 
     name: str
     kernel_name: str  # prefixed, so it can never shadow a name of the generated module
-    annotation: str  # "int" or "float": the scalar's type, or a tensor's element type
+    annotation: str  # "int" or "float": the scalar's type, or a tensor's element type ("bool" too)
     shape: tuple[int | str, ...] = ()  # a tensor's declared axes; () for a scalar
     # What the kernels take for it, in order: a scalar itself; a tensor as the backend passes it
     # (Triton: the data and each axis' size; Pallas: a scalar-memory ref, or nothing when the
@@ -40,6 +41,16 @@ class ParamPlan:
         """The declared axes as a Python tuple literal: ("heads", 8)."""
         items = [f'"{axis}"' if isinstance(axis, str) else str(axis) for axis in self.shape]
         return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+
+    @property
+    def kernel_dtype(self) -> str:
+        """What kernels read a tensor's elements as: "int32" or "float32" (a bool tensor: 0/1 ints)."""
+        return "float32" if self.annotation == "float" else "int32"
+
+    @property
+    def element(self) -> str:
+        """A tensor's element type as a docstring names it: "int32", "float" or "bool"."""
+        return {"int": "int32", "float": "float", "bool": "bool"}[self.annotation]
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,9 @@ class KernelPlan:
     block_tables: bool
     table_axes: tuple[bool, bool]
     divisors: tuple[str, ...]  # params an expression divides by: the functions require them positive
+    # Whether the mask or score reads the head index h outside gathered loads (e.g. a per-head
+    # slope in SMEM): a tile whose rows span several heads then evaluates them one head at a time.
+    reads_head: bool
     config: Any  # the target's config (attngen.backends: TritonConfig, PallasTpuConfig)
     kernels: tuple[Kernel, ...]  # the target's kernels (their declarations), each given its bounds
     array_module: str  # the generated module's array library: "torch", "jnp"
@@ -152,24 +166,30 @@ class KernelPlan:
         return tuple(p for p in self.tensors if p.kernel_args)
 
 
+# The spec language, for printing IR back to people: `attngen list`, docstrings, and the tile
+# bounds that `attngen explain` shows.
+SPEC_DIALECT = Dialect(
+    functions={n: n for n in ir.FUNCTIONS},
+    where="where",
+    logical_not=lambda x: f"not {x}",
+    to_float=lambda x: x,
+    floordiv=None,
+    floormod=None,
+    logic=("and", "or"),
+    infinity="inf",
+    bools_as_ints=False,
+    load=lambda tensor, indices: f"{tensor}[{', '.join(indices)}]",
+    clamp=lambda index, tensor, axis: index,  # the language's rule, not spelled out
+)
+
+
 def spec_text(spec: Spec, which: str) -> str:
     """A spec expression re-printed from its IR in the spec language (never the raw string)."""
     expr = spec.mask if which == "mask" else spec.score
     if expr is None:
         return "none"
-    dialect = Dialect(
-        functions={n: n for n in ir.FUNCTIONS},
-        where="where",
-        logical_not=lambda x: f"not {x}",
-        to_float=lambda x: x,
-        floordiv=None,
-        floormod=None,
-        logic=("and", "or"),
-        load=lambda tensor, indices: f"{tensor}[{', '.join(indices)}]",
-        clamp=lambda index, tensor, axis: index,  # the language's rule, not spelled out
-    )
     names = {n: n for n in (*ir.INDEX_VARS, *ir.SIZE_VARS, "score", *(p.name for p in spec.params))}
-    return emit(expr, dialect, names)
+    return emit(expr, SPEC_DIALECT, names)
 
 
 def _bounds_plan(bounds: TileBounds, lower) -> BoundsPlan:
@@ -188,13 +208,20 @@ def _digest(spec: Spec, config: Any) -> str:
 _POSITIONS = ("b", "h", "q_idx", "kv_idx")
 
 
-def _gathered(exprs: list[ir.Expr]) -> dict[ir.Load, ir.Expr]:
-    """Each load of exprs whose indices read q_idx or kv_idx -> the variable `gathered[i]`."""
-    out: dict[ir.Load, ir.Expr] = {}
+def _gathered(exprs: list[ir.Expr]) -> dict[ir.Expr, ir.Expr]:
+    """Each load of exprs whose indices read q_idx or kv_idx -> the variable `gathered[i]`.
+
+    A bool tensor's element is gathered as an int (0/1; its load in the bounds or a derivative is
+    one already) and read as `gathered[i] != 0`: one array for both, and no bool arrays in VMEM.
+    """
+    out: dict[ir.Expr, ir.Expr] = {}
     for e in exprs:
         for load in ir.loads(e):
-            if load not in out and ir.reads_positions(load):
-                out[load] = ir.Var(load.type, f"gathered[{len(out)}]", ir.VarKind.PARAM)
+            held = dataclasses.replace(load, type=ir.Type.INT) if load.type is ir.Type.BOOL else load
+            if held not in out and ir.reads_positions(load):
+                out[held] = ir.Var(held.type, f"gathered[{len(out)}]", ir.VarKind.PARAM)
+            if load is not held and load not in out and held in out:
+                out[load] = ir.Compare(ir.Type.BOOL, "!=", out[held], ir.Const(ir.Type.INT, 0))
     return out
 
 
@@ -202,9 +229,24 @@ def _gather_plan(load: ir.Load, lower) -> GatherPlan:
     read = ir.variables(load)
     return GatherPlan(
         source=lower(load),
-        dtype="int32" if load.type is ir.Type.INT else "float32",
+        dtype="float32" if load.type is ir.Type.FLOAT else "int32",
         axes=tuple(v in read for v in _POSITIONS),
     )
+
+
+def kernel_tile_bounds(spec: Spec, backend: Backend) -> dict[str, TileBounds]:
+    """Each kernel's loop bounds (by name), by its orientation and step: a block size, or
+    (symbolic_blocks) the name of the kernel's constexpr holding it. Kernels alike share one
+    analysis."""
+    params = {p.name: p.type for p in spec.params if not p.is_tensor}
+    config = spec.config(backend.name)
+    steps = {k.name: k.step if backend.symbolic_blocks else getattr(config, k.step) for k in backend.kernels}
+    analyses: dict[tuple[str, int | str], TileBounds] = {}
+    for k in backend.kernels:
+        key = (k.walks.row_var, steps[k.name])
+        if key not in analyses:
+            analyses[key] = analyse_mask(spec.mask, params, steps[k.name], k.walks)
+    return {k.name: analyses[(k.walks.row_var, steps[k.name])] for k in backend.kernels}
 
 
 def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
@@ -212,15 +254,7 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
     params = {p.name: p.type for p in spec.params if not p.is_tensor}
     config = spec.config(backend.name)
     kernels = backend.kernels
-    # Each kernel's loop bounds, by its orientation and step: a block size, or (symbolic_blocks)
-    # the name of the kernel's constexpr holding it. Kernels alike share one analysis.
-    steps = {k.name: k.step if backend.symbolic_blocks else getattr(config, k.step) for k in kernels}
-    analyses: dict[tuple[str, int | str], TileBounds] = {}
-    for k in kernels:
-        key = (k.walks.row_var, steps[k.name])
-        if key not in analyses:
-            analyses[key] = analyse_mask(spec.mask, params, steps[k.name], k.walks)
-    tile_bounds = {k.name: analyses[(k.walks.row_var, steps[k.name])] for k in kernels}
+    tile_bounds = kernel_tile_bounds(spec, backend)
     score_grad = score_derivative(spec.score, params) if spec.score is not None else None
     symbolic = tuple(k.step for k in kernels) if backend.symbolic_blocks else ()
     names = {n: n for n in (*ir.INDEX_VARS, *ir.SIZE_VARS, "score", *TILE_VARS, *symbolic)}
@@ -232,7 +266,7 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
     data_mask = spec.mask is not None and any(ir.reads_positions(load) for load in ir.loads(spec.mask))
     tile_exprs = [e for e in (spec.mask, spec.score, score_grad) if e is not None]
     gathered = _gathered(tile_exprs) if backend.gathers_position_loads else {}
-    names |= {var.name: var.name for var in gathered.values()}
+    names |= {var.name: var.name for var in gathered.values() if isinstance(var, ir.Var)}
     mask, score, score_grad = (
         ir.substitute(e, gathered) if e is not None else None for e in (spec.mask, spec.score, score_grad)
     )
@@ -275,10 +309,11 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         bounds={name: _bounds_plan(b, lower) for name, b in tile_bounds.items()},
         op_name=f"{spec.name}_{_digest(spec, config)}",
         helpers=frozenset(helpers),
-        gathers=tuple(_gather_plan(load, lower) for load in gathered),
+        gathers=tuple(_gather_plan(load, lower) for load, read in gathered.items() if isinstance(read, ir.Var)),
         block_tables=data_mask,
         divisors=tuple(sorted(frozenset().union(*(ir.divisor_params(e) for e in tile_exprs)))),
         table_axes=("b" in mask_reads, "h" in mask_reads),
+        reads_head=any("h" in ir.variables(e) for e in (mask, score) if e is not None),
         config=config,
         kernels=kernels,
         array_module=backend.array_module,

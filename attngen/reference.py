@@ -34,6 +34,11 @@ _OPS = {
     "log": "log",
     "sqrt": "sqrt",
     "tanh": "tanh",
+    "sin": "sin",
+    "cos": "cos",
+    "tan": "tan",
+    "exp2": "exp2",
+    "log2": "log2",
     "abs": "abs",
     "min": "minimum",
     "max": "maximum",
@@ -84,6 +89,8 @@ def _load(e: ir.Load, env: dict, xp):
     if xp is not np:  # torch indexing does not broadcast its index tensors
         indices = xp.broadcast_tensors(*(i.to(tensor.device) for i in indices))
     value = tensor[tuple(xp.clip(i, 0, n - 1) for i, n in zip(indices, tensor.shape))]
+    if e.type is Type.BOOL:
+        return value != 0
     dtype = xp.float64 if e.type is Type.FLOAT else xp.int64
     return value.to(dtype) if xp is not np else value.astype(dtype)
 

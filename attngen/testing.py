@@ -1,9 +1,9 @@
 """Helpers shared by the tests (tests/) and the GPU bench scripts (bench/).
 
-Input: a spec name of specs/ and a problem shape, or the Triton interpreter. Output: runtime params
-for that spec at that shape (`example_params`, with the varlen recipe `varlen_params`), or the
-interpreter patched for bf16 (`fix_interpreter_bf16_dot`). The exactness rule itself lives in
-attngen.exactness.
+Input: a spec name of specs/ and a problem shape. Output: runtime params for that spec at that
+shape (`example_params`, with the varlen recipe `varlen_params`). The exactness rule itself lives
+in attngen.exactness; Triton's interpreter bf16 bug is fixed by each generated bf16 module itself
+(templates/triton_gpu/interpreter_bf16.py.jinja).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def example_params(spec_name: str, batch: int, heads: int, q_len: int, kv_len: i
         # 33 buckets for distances -16..16: longer distances clamp to the table's ends.
         "relative_bias": lambda: {"rel_bias": rng.standard_normal((heads, 33)).astype(np.float32), "max_dist": 16},
         "bias": lambda: {"bias": rng.standard_normal((batch, heads, q_len, kv_len)).astype(np.float32)},
+        # Scores are about standard normal: a few keys of each row pass their sequence's bound.
+        "score_cutoff": lambda: {"bound": rng.uniform(2.0, 3.0, batch).astype(np.float32)},
         # Some prefixes are negative or past the keys: all-causal and all-visible rows.
         "prefix_lm_batched": lambda: {"prefix": rng.integers(-5, kv_len + 5, batch).astype(np.int32)},
         "varlen": lambda: {  # each sequence of the batch packed its own way
@@ -92,38 +94,3 @@ def varlen_params(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> dict:
         name: x[None].astype(np.int32)
         for name, x in zip(("seq_q", "seq_kv", "pos_q", "pos_kv"), (seq_q, seq_kv, pos_q, pos_kv))
     }
-
-
-def fix_interpreter_bf16_dot() -> None:
-    """Work around triton-lang/triton#11584 in the caller's process, not the kernels.
-
-    The interpreter stores bf16 as raw uint16 bits and hands those bits to numpy: to matmul, and to
-    the arithmetic of binary operators (so -x or x - y on bf16 tensors computes on the bits).
-    Widen bf16 operands to float32 first (exact: bf16 is the top half of a float32); a bf16
-    arithmetic result is rounded back to bf16 as the hardware would. Idempotent.
-    """
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "_attngen_bf16_fix", False):
-        return
-    original_dot, original_binary_op = builder.create_dot, builder.binary_op
-
-    def widen(handle):
-        if handle.dtype.scalar == tl.bfloat16:
-            bits = handle.data.astype(np.uint32) << 16
-            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-        return handle
-
-    def create_dot(self, a, b, d, *args):
-        return original_dot(self, widen(a), widen(b), d, *args)
-
-    def binary_op(self, lhs, rhs, op):
-        if lhs.dtype.scalar != tl.bfloat16:
-            return original_binary_op(self, lhs, rhs, op)
-        result = interpreter.TensorHandle(op(widen(lhs).data, widen(rhs).data).astype(np.float32), tl.float32)
-        return self.cast_impl(result, tl.bfloat16)
-
-    create_dot._attngen_bf16_fix = True
-    builder.create_dot, builder.binary_op = create_dot, binary_op

@@ -8,20 +8,18 @@ feeds it the tests' problems.
 from __future__ import annotations
 
 import hashlib
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+import attngen
 from attngen import exactness
-from attngen.build import import_generated, package_sources
 from attngen.exactness import round_to
 from attngen.reference import attention_ref
 from attngen.spec import Spec, parse_spec, retarget
 from attngen.testing import (  # noqa: F401 - the tests reach them through the harness
     example_params,
-    fix_interpreter_bf16_dot,
     random_cu_seqlens,
     varlen_params,
 )
@@ -39,21 +37,13 @@ def build_dir() -> Path:
 
 
 def load_target(spec: Spec, target: str):
-    """Render spec's `target` module into a scratch folder and import it under a unique name.
+    """attngen.load into a scratch folder of this test run (not the user's cache).
 
-    Modules are cached by the digest of their rendered source, not by spec.sha256: tests replace
+    Modules are keyed by the digest of their rendered source, not by spec.sha256: tests replace
     tile sizes on a spec (tests/test_variants.py's small_tiles) without changing the hash, and
     each such spec must run its own kernels.
     """
-    source = package_sources(spec)[f"{target}.py"]
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    module_name = f"_attngen_test_{spec.name}_{target}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    path = build_dir() / digest / spec.name / f"{target}.py"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(source)
-    return import_generated(path, module_name)
+    return attngen.load(spec, target, cache_dir=build_dir())
 
 
 def spec_from_text(text: str) -> Spec:
@@ -108,7 +98,6 @@ def assert_exact(spec: Spec, p: Problem, out: np.ndarray, lse: np.ndarray) -> di
 def run_triton(spec: Spec, p: Problem):
     import torch
 
-    fix_interpreter_bf16_dot()
     module = load_target(spec, "triton_gpu")
     dtype = getattr(torch, p.dtype)
     q, k, v = (torch.from_numpy(x).to(dtype) for x in (p.q, p.k, p.v))
@@ -169,7 +158,6 @@ def assert_grads_exact(spec: Spec, p: Problem, c: Cotangents, grads) -> dict:
 def run_triton_grad(spec: Spec, p: Problem, c: Cotangents):
     import torch
 
-    fix_interpreter_bf16_dot()
     module = load_target(spec, "triton_gpu")
     dtype = getattr(torch, p.dtype)
     q, k, v = (torch.from_numpy(x).to(dtype).requires_grad_() for x in (p.q, p.k, p.v))

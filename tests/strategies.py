@@ -86,6 +86,12 @@ def score_exprs() -> st.SearchStrategy[str]:
             # which fp16's P loses when a row's running max is wrong (tests/test_numerics.py).
             "score - 0.05 * abs(q_idx - kv_idx)",
             "score - 0.125 * (q_idx - kv_idx)",
+            "score + 0.5 * sin(score) - 0.25 * cos(2.0 * score)",
+            "score + tan(0.5 * tanh(score))",  # tanh keeps tan's argument far from its poles
+            "log2(1.0 + exp2(score)) + 0.01 * (q_idx % 5)",
+            # -inf drops keys as FlexAttention's score_mod does; a row may lose all of them.
+            "where(kv_idx > q_idx + 20, -inf, score)",
+            "min(score, where(q_idx - kv_idx > 30, -inf, inf))",
         ]
     )
 
@@ -186,10 +192,10 @@ def shapes(max_len: int = 300) -> st.SearchStrategy[Shape]:
 _INT_OPS = ("+", "-", "*", "//", "%")
 _FLOAT_OPS = ("+", "-", "*", "/")
 _COMPARISONS = ("==", "!=", "<", "<=", ">", ">=")
-_UNARY_FLOAT = ("exp", "log", "sqrt", "tanh", "abs")
-# Literals at and past the edges of int32 and float32, and zeros to divide by.
+_UNARY_FLOAT = ("exp", "exp2", "log", "log2", "sqrt", "sin", "cos", "tan", "tanh", "abs")
+# Literals at and past the edges of int32 and float32, inf, and zeros to divide by.
 _EDGE_INTS = ("0", "1", "2147483647", "2147483648", "99999999999", "1" * 50)
-_EDGE_FLOATS = ("0.0", "1.0", ".5", "5.", "3.4e38", "3.5e38", "1e999", "1e-38", "1e-999", "1.17549435e-38")
+_EDGE_FLOATS = ("0.0", "1.0", ".5", "5.", "3.4e38", "3.5e38", "1e999", "1e-38", "1e-999", "1.17549435e-38", "inf")
 _ANY_NAMES = ("q_idx", "kv_idx", "b", "h", "score", INT_PARAM, FLOAT_PARAM, "__import__", "tl", "jnp", "param_w", "x")
 
 

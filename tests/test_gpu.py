@@ -5,6 +5,8 @@ cache. Marked `gpu`: skipped without CUDA; on a GPU machine,
     TRITON_INTERPRET=0 pytest -m gpu -n 4 tests/test_gpu.py
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -55,6 +57,43 @@ def test_specs_exact_on_the_gpu(name, dtype):
     )
     assert_forward(dtype, out, lse, ref_out, ref_lse, base_out)
     assert_grads(dtype, grads, ref_grads, base_grads)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in Path("specs").glob("*.toml")))
+def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
+    """The Gluon forward and dK/dV kernels on an sm90 GPU, with grouped kv heads and odd tails; the
+    Triton kernels of the same module, in the same run, must not be much more exact than them."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), dtype)
+    module = harness.load_target(spec, "triton_gpu")
+    batch, heads, kv_heads, q_len, kv_len = 2, 4, 2, 1000, 1537
+    q, k, v, dout = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    params = _params(name, batch, heads, q_len, kv_len, seed=1)
+    assert module._runs_sm90(q, module.SM90_FORWARD) and module._runs_sm90(q, module.SM90_BACKWARD)
+
+    def run(*x):
+        return module.attention(*x, return_lse=True, **params)
+
+    out, lse, grads = _out_and_grads(run, q, k, v, dout)
+    ref_out, ref_lse, ref_grads = _out_and_grads(
+        lambda *x: attention_ref_torch(spec, *x, dtype=torch.float64, **params), q, k, v, dout
+    )
+    base_out, _, base_grads = _out_and_grads(
+        lambda *x: attention_ref_torch(spec, *x, dtype=q.dtype, **params), q, k, v, dout
+    )
+    assert_forward(dtype, out, lse, ref_out, ref_lse, base_out)
+    assert_grads(dtype, grads, ref_grads, base_grads)
+    module.SM90_FORWARD = module.SM90_BACKWARD = 0  # the Triton kernels, for comparison
+    try:
+        triton_out, _, triton_grads = _out_and_grads(run, q, k, v, dout)
+    finally:
+        module.SM90_FORWARD = module.SM90_BACKWARD = 1
+    for ours, theirs, ref in zip((out, *grads), (triton_out, *triton_grads), (ref_out, *ref_grads), strict=True):
+        error = (ours.double() - ref).abs().max().item()
+        assert error <= 1.5 * (theirs.double() - ref).abs().max().item() + 1e-6
 
 
 def test_decoding_from_a_paged_cache_on_the_gpu():

@@ -1,6 +1,7 @@
 """attention_with_kvcache (the decode family): the newest tokens of each sequence against its KV
 cache, contiguous or paged, split over programs or not, with grouped query heads, against the
-float64 reference of attention over the whole sequence (its last rows) -- Triton interpreter."""
+float64 reference of attention over the whole sequence (its last rows) -- the same problems on
+both targets: the Triton interpreter and Pallas in TPU interpret mode."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from attngen.exactness import check_forward, judge, lowp_baseline, max_error, round_to
 from attngen.reference import attention_ref
-from attngen.spec import load_spec, retarget
+from attngen.spec import load_spec, retarget, with_config
 from attngen.testing import example_params
 from tests import harness
 
@@ -29,6 +30,7 @@ SPECS = [
     "document",
     "causal_bottom_right",
     "value_dim",
+    "score_cutoff",
 ]
 
 
@@ -59,12 +61,45 @@ def _as_cache(rows, table, num_pages, page_size):
     (contiguous), or pages [num_pages, kv_heads, page_size, dim] under the block table; pages no
     sequence uses hold NaN, so reading one cannot go unnoticed."""
     if table is None:
-        return torch.from_numpy(rows)
+        return rows
     pages = np.full((num_pages, rows.shape[1], page_size, rows.shape[3]), np.nan, np.float32)
     for b, sequence_pages in enumerate(table):
         for j, page in enumerate(sequence_pages):
             pages[page] = rows[b, :, j * page_size : (j + 1) * page_size]
-    return torch.from_numpy(pages)
+    return pages
+
+
+def _pallas_module(spec):
+    """The Pallas module with 128-key blocks: caches of up to 200 keys span two, so EMPTY blocks
+    are skipped (and not fetched) and a paged block is made of several pages."""
+    return harness.load_target(with_config(spec, "pallas_tpu", block_kv=128), "pallas_tpu")
+
+
+def _run(target, spec, dtype, q, k_cache, v_cache, seqlens, table, num_splits, params):
+    """(out, lse) as float32 numpy arrays from `target`'s attention_with_kvcache on float32 inputs
+    holding `dtype` values; num_splits is Triton's (Pallas does not split)."""
+    if target == "triton_gpu":
+        module, torch_dtype = harness.load_target(spec, "triton_gpu"), getattr(torch, dtype)
+        out, lse = module.attention_with_kvcache(
+            *(torch.from_numpy(x).to(torch_dtype) for x in (q, k_cache, v_cache)),
+            torch.from_numpy(seqlens),
+            block_table=None if table is None else torch.from_numpy(table),
+            return_lse=True,
+            num_splits=num_splits,
+            **harness.params_as(params, torch.as_tensor),
+        )
+        return out.float().numpy(), lse.numpy()
+    import jax.numpy as jnp
+
+    out, lse = _pallas_module(spec).attention_with_kvcache(
+        *(jnp.asarray(x).astype(dtype) for x in (q, k_cache, v_cache)),
+        jnp.asarray(seqlens),
+        block_table=None if table is None else jnp.asarray(table),
+        return_lse=True,
+        interpret=True,
+        **harness.params_as(params, jnp.asarray),
+    )
+    return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
 
 def _sequence_params(params, spec, b, length):
@@ -82,13 +117,9 @@ def _sequence_params(params, spec, b, length):
     return out
 
 
-def check(spec_name: str, p: dict):
-    torch_dtype = getattr(torch, p["dtype"])
+def check(spec_name: str, p: dict, target: str = "triton_gpu"):
     base = load_spec(f"specs/{spec_name}.toml")
     spec = retarget(base, 32 if base.head_dim_v is None else base.head_dim, p["dtype"])
-    if p["dtype"] == "bfloat16":
-        harness.fix_interpreter_bf16_dot()
-    module = harness.load_target(spec, "triton_gpu")
     rng = np.random.default_rng(p["seed"])
     B, H, T, cap, kv_heads = p["batch"], p["heads"], p["new_tokens"], p["capacity"], p["kv_heads"]
     draw = lambda *shape: round_to(rng.standard_normal(shape).astype(np.float32), p["dtype"])
@@ -101,17 +132,9 @@ def check(spec_name: str, p: dict):
         table = rng.permutation(num_pages)[: B * pages_per_sequence].reshape(B, pages_per_sequence)
     k_cache, v_cache = (_as_cache(rows, table, num_pages, p["page_size"]) for rows in (k_rows, v_rows))
     params = example_params(spec_name, B, H, cap, cap, seed=p["seed"])
-    seqlens = torch.tensor(p["seqlens"], dtype=torch.int32)
-    out, lse = module.attention_with_kvcache(
-        torch.from_numpy(q).to(torch_dtype),
-        k_cache.to(torch_dtype),
-        v_cache.to(torch_dtype),
-        seqlens,
-        block_table=None if table is None else torch.from_numpy(table.astype(np.int32)),
-        return_lse=True,
-        num_splits=p["num_splits"],
-        **harness.params_as(params, torch.as_tensor),
-    )
+    seqlens = np.array(p["seqlens"], np.int32)
+    table = None if table is None else table.astype(np.int32)
+    out, lse = _run(target, spec, p["dtype"], q, k_cache, v_cache, seqlens, table, p["num_splits"], params)
     # The new rows of every sequence, judged at once. The same-precision baseline's error is taken
     # over every row of the sequences: a handful of new rows is too few for a steady maximum.
     refs, ref_lses, baseline_error = [], [], 0.0
@@ -128,7 +151,7 @@ def check(spec_name: str, p: dict):
             baseline = lowp_baseline(spec, q_seq, k_seq, v_seq, p["dtype"], params=seq_params)
             baseline_error = max(baseline_error, max_error(baseline, ref_out))
     ref_out, ref_lse = np.concatenate(refs), np.concatenate(ref_lses)
-    verdict = check_forward("float32", out.float().numpy(), lse.numpy(), ref_out, ref_lse)  # rows and LSE
+    verdict = check_forward("float32", out, lse, ref_out, ref_lse)  # rows and LSE
     rule = judge(p["dtype"], {"out": verdict.errors["out"]}, {"out": baseline_error}, {})
     problems = [problem for problem in verdict.problems if not problem.startswith("max |out")] + list(rule.problems)
     assert not problems, problems
@@ -139,6 +162,24 @@ def check(spec_name: str, p: dict):
 @given(p=problems())
 def test_kvcache_matches_attention_over_the_whole_sequence(spec_name, p):
     check(spec_name, p)
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+@settings(max_examples=2)
+@given(p=problems())
+def test_pallas_kvcache_matches_attention_over_the_whole_sequence(spec_name, p):
+    """The same problems in TPU interpret mode (fewer: each shape compiles its own kernel)."""
+    check(spec_name, p, "pallas_tpu")
+
+
+def test_pallas_pages_larger_than_a_block():
+    """Pages of 256 keys hold two 128-key blocks: a block is read from inside its page; the window
+    leaves the first blocks of the long sequence EMPTY (clamped: not fetched)."""
+    problem = {
+        "dtype": "float32", "batch": 2, "kv_heads": 2, "heads": 4, "new_tokens": 3, "capacity": 512,
+        "page_size": 256, "seqlens": [500, 200], "num_splits": None, "seed": 3,
+    }  # fmt: skip
+    check("sliding_window", problem, "pallas_tpu")
 
 
 def test_a_split_of_no_keys_merges_to_nothing():
@@ -190,3 +231,39 @@ def test_bad_inputs_are_refused_before_launch():
             module.attention_with_kvcache(
                 args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("cache_seqlens"), **args
             )
+
+
+def test_pallas_bad_inputs_are_refused_before_launch():
+    """The checks the Triton module makes, shared (attngen/templates/common/checks.py.jinja), on
+    jax arrays: what jax arrays cannot get wrong (strides, devices) aside."""
+    import jax.numpy as jnp
+
+    spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
+    module = _pallas_module(spec)
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((2, 4, 1, 32)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((2, 2, 64, 32)), jnp.float32)
+    lens = jnp.asarray([10, 20], jnp.int32)
+    cases = [
+        ({"cache_seqlens": np.array([10, 20], np.int64)}, TypeError, "cache_seqlens must be an int32 array"),
+        ({"cache_seqlens": lens[:1]}, ValueError, "cache_seqlens has shape (1,); expected (2,)"),
+        ({"q": q[0]}, ValueError, "q must be a 4-D array"),
+        ({"k_cache": cache.astype(jnp.bfloat16)}, TypeError, "k_cache is bfloat16"),
+        ({"v_cache": cache[..., :16]}, ValueError, "v_cache has head_dim 16"),
+        ({"k_cache": jnp.zeros((2, 3, 64, 32), jnp.float32)}, ValueError, "shapes do not match"),
+        ({"block_table": jnp.zeros((2, 4), jnp.float32)}, TypeError, "block_table must be an int32 array"),
+        ({"block_table": jnp.zeros((3, 4), jnp.int32)}, ValueError, "block_table has shape (3, 4); expected (2, 'n')"),
+        (
+            {"k_cache": jnp.zeros((3, 2, 64, 32), jnp.float32), "v_cache": jnp.zeros((3, 2, 64, 32), jnp.float32)},
+            ValueError,
+            "one sequence per batch",
+        ),
+    ]
+    for change, kind, message in cases:
+        args = {"q": q, "k_cache": cache, "v_cache": cache, "cache_seqlens": lens} | change
+        with pytest.raises(kind, match=message.replace("(", r"\(").replace(")", r"\)")):
+            module.attention_with_kvcache(
+                args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("cache_seqlens"), **args
+            )
+    # The unchanged inputs run: the refusals above came from the changes alone.
+    assert module.attention_with_kvcache(q, cache, cache, lens, interpret=True).shape == (2, 4, 1, 32)

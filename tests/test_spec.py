@@ -106,7 +106,7 @@ def test_conflicts_and_missing_keys():
     assert any("missing `name`" in p for p in problems("head_dim = 64\n"))
     assert any("must be a table" in p for p in problems(GOOD + "mask = 3\n"))
     assert any(
-        'must be "int", "float", "int[axes]" or "float[axes]"' in p
+        'must be "int", "float", "int[axes]", "float[axes]" or "bool[axes]"' in p
         for p in problems(GOOD + '[mask]\nexpr = "q_idx > w"\n[params]\nw = "long"\n')
     )
 
@@ -228,8 +228,8 @@ def test_wrong_types_everywhere_are_located(table, key, value):
         (GOOD + "mask = { expr = 'q_idx > nope' }\n", 3, 26, "unknown name `nope`"),
         # Columns inside strings count source characters: escapes are wider than what they mean.
         (GOOD + '[mask]\nexpr = "q_idx >= \\u006bv_idx and nope"\n', 4, 34, "unknown name `nope`"),
-        # A multi-line string: the line and column of the character inside it (a line end).
-        (GOOD + '[mask]\nexpr = """\nq_idx >= kv_idx and\n  nope > 1"""\n', 5, 20, "unexpected character '\\n'"),
+        # A multi-line string: the line and column of the character inside it (past a line end).
+        (GOOD + '[mask]\nexpr = """\nq_idx >= kv_idx and\n  nope > 1"""\n', 6, 3, "unknown name `nope`"),
         # Line numbers count "\n" only, as TOML does, whatever else Unicode calls a line break.
         (GOOD + "# a\u2028comment\x85with breaks\n[mask]\nexpr = 'nope > 1'\n", 5, 9, "unknown name `nope`"),
         ('name = "x"\r\nhead_dim = 64\r\n[mask]\r\nexpr = "nope > 1"\r\n', 4, 9, "unknown name `nope`"),
@@ -306,3 +306,24 @@ def test_value_head_dim():
     (shown,) = problems(GOOD + "head_dim_v = 100\n")
     assert "head_dim_v 100 is not a multiple of 8" in shown and "head_dim_v = 104" in shown
     assert "head_dim_v 512 is outside 16..256" in problems(GOOD + "head_dim_v = 512\n")[0]
+
+
+@pytest.mark.parametrize(
+    "text, line, close",
+    [
+        ('name = "ok"\nhaed_dim = 64\n', 2, "`head_dim`"),
+        (GOOD + "head_dims_v = 64\n", 3, "`head_dim_v`"),
+        (GOOD + "[triton]\nblock-m = 64\n", 4, "`block_m`"),
+        (GOOD + "[mask]\nexp = 'q_idx >= kv_idx'\n", 4, "`expr`"),
+        (GOOD + "[maks]\ncausal = true\n", 3, "`[mask]`"),
+    ],
+)
+def test_a_misspelt_key_gets_did_you_mean(text, line, close):
+    found = [d for d in diagnostics(text) if "unknown key" in d.message]
+    assert len(found) == 1 and found[0].location.line == line, [d.render() for d in found]
+    assert found[0].hint.startswith(f"did you mean {close}?"), found[0].hint
+
+
+def test_an_unlike_key_gets_no_guess():
+    (d,) = diagnostics(GOOD + "colour = 1\n")
+    assert "did you mean" not in d.hint and d.hint.startswith("allowed: ")

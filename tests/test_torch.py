@@ -28,7 +28,6 @@ def _block(attention):
 
 
 def _module():
-    harness.fix_interpreter_bf16_dot()
     return harness.load_target(SPEC, "triton_gpu")
 
 

@@ -1,6 +1,6 @@
-"""Our Pallas kernels against jax's own TPU kernels (flash_attention, splash attention) where the
-variants coincide: same inputs, TPU interpret mode, forward and gradients; and all of them
-through the real Mosaic compile for TPU v5e at the same shapes."""
+"""Our Pallas kernels against jax's own TPU kernels (flash_attention, splash attention,
+paged_attention) where the variants coincide: same inputs, TPU interpret mode, forward and
+gradients; and all of them through the real Mosaic compile for TPU v5e at the same shapes."""
 
 import functools
 
@@ -73,6 +73,55 @@ def test_agrees_with_splash_attention(name):
     np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=0)
     for ours_grad, their_grad in zip(vjp(dout), ref_vjp(dout)):
         np.testing.assert_allclose(ours_grad, their_grad, atol=1e-4, rtol=0)
+
+
+def test_decode_agrees_with_paged_attention():
+    """attention_with_kvcache of spec causal against jax's paged_attention on what it covers: one
+    new token per sequence, a paged cache, GQA (8 query heads on 2 kv heads), lengths that end
+    inside a page and inside a compute block. Its kernel casts K and V to bfloat16 whatever they
+    are, so the inputs are bfloat16, and the scale a power of two (it takes q pre-scaled, exactly).
+    It keeps p in float32 for p @ v where ours rounds p to bfloat16 (as FlashAttention does): the
+    two agree to one bfloat16 step of the output, and each is within one step of the float64
+    reference (the output's own rounding is half a step)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    from attngen.exactness import round_to
+    from attngen.reference import attention_ref
+
+    batch, heads, kv_heads, page_size, pages_per_sequence, scale = 3, 8, 2, 16, 16, 0.125
+    rng = np.random.default_rng(2027)
+
+    def draw(*shape):
+        return round_to(rng.standard_normal(shape).astype(np.float32), "bfloat16")
+
+    num_pages = batch * pages_per_sequence + 3
+    q, k_pages, v_pages = draw(batch, heads, HEAD_DIM), *(draw(num_pages, kv_heads, page_size, HEAD_DIM) for _ in "kv")
+    table = rng.permutation(num_pages)[: batch * pages_per_sequence].reshape(batch, -1).astype(np.int32)
+    lengths = np.array([256, 77, 130], np.int32)
+    bf16 = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+    spec = with_config(harness.with_dtype(load_spec("specs/causal.toml"), "bfloat16"), "pallas_tpu", block_kv=128)
+    ours = harness.load_target(spec, "pallas_tpu").attention_with_kvcache(
+        bf16(q[:, :, None]), bf16(k_pages), bf16(v_pages), jnp.asarray(lengths),
+        block_table=jnp.asarray(table), scale=scale, interpret=pltpu.InterpretParams(),
+    )[:, :, 0]  # fmt: skip
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):  # its pages: [kv_heads, num_pages, ...]
+        theirs = paged_attention(
+            bf16(q * scale), bf16(k_pages.transpose(1, 0, 2, 3)), bf16(v_pages.transpose(1, 0, 2, 3)),
+            jnp.asarray(lengths), jnp.asarray(table), pages_per_compute_block=8,
+        )  # fmt: skip
+    ours, theirs = (np.asarray(x.astype(jnp.float32)) for x in (ours, theirs))
+    step = 2.0**-8  # a bfloat16 step in [0.5, 1): the outputs are averages of unit normals
+    np.testing.assert_allclose(ours, theirs, atol=step, rtol=0)
+    for b, length in enumerate(lengths):
+        # The sequence's keys and values [1, kv_heads, length, D], read through its pages.
+        k_seq, v_seq = (np.concatenate(list(pages[table[b]]), axis=1)[None, :, :length] for pages in (k_pages, v_pages))
+        q_seq = draw(1, heads, length, HEAD_DIM)
+        q_seq[0, :, -1] = q[b]
+        ref, _ = attention_ref(spec, q_seq, k_seq, v_seq, scale=scale)
+        for out in (ours, theirs):
+            np.testing.assert_allclose(out[b], ref[0, :, -1], atol=step, rtol=0)
 
 
 def _flash_blocks():

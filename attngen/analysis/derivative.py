@@ -11,6 +11,7 @@ tie (Heaviside(0) = 1/2), where(c, a, b)' = where(c, a', b') (the condition's bo
 
 from __future__ import annotations
 
+import math
 from functools import reduce
 
 import sympy
@@ -18,7 +19,7 @@ import sympy
 from attngen import ir
 from attngen.errors import AttngenError
 from attngen.ir import Type, VarKind
-from attngen.ir_sympy import is_tensor_load, to_sympy
+from attngen.ir_sympy import INFINITY, is_tensor_load, to_sympy
 
 SCORE = sympy.Symbol("score", real=True)
 
@@ -58,8 +59,10 @@ class _Converter:
     def any(self, x: sympy.Basic) -> ir.Expr:
         if x.is_Integer:
             return ir.Const(Type.INT, int(x))
-        if x.is_Number:
+        if x.is_Number or (x.is_number and x.is_extended_real):  # 2.5, oo, and log(2) from exp2 and log2
             return ir.Const(Type.FLOAT, float(x))
+        if x == INFINITY:
+            return ir.Const(Type.FLOAT, math.inf)
         if x.is_Symbol:
             kind = self.kinds[x.name]
             return ir.Var(Type.FLOAT if x.name == "score" or x.is_integer is not True else Type.INT, x.name, kind)
@@ -84,7 +87,7 @@ class _Converter:
             return reduce(lambda a, b: self._arith("*", a, b), (self.any(a) for a in x.as_ordered_factors()))
         if isinstance(x, sympy.Pow):
             return self._power(x.base, x.exp)
-        if isinstance(x, (sympy.exp, sympy.log, sympy.tanh)):
+        if isinstance(x, (sympy.exp, sympy.log, sympy.tanh, sympy.sin, sympy.cos, sympy.tan)):
             return ir.Func(Type.FLOAT, type(x).__name__, (self.float(x.args[0]),))
         if isinstance(x, sympy.Abs):
             inner = self.any(x.args[0])
@@ -147,6 +150,8 @@ class _Converter:
         return ir.Const(Type.FLOAT, float(e.value)) if isinstance(e, ir.Const) else ir.ToFloat(Type.FLOAT, e)
 
     def _power(self, base: sympy.Basic, exponent: sympy.Basic) -> ir.Expr:
+        if base == 2 and not exponent.is_Integer:  # exp2's own derivative: 2**x * log(2)
+            return ir.Func(Type.FLOAT, "exp2", (self.float(exponent),))
         if exponent.is_Integer and 1 <= exponent <= 4:
             b = self.any(base)
             return reduce(lambda x, y: self._arith("*", x, y), [b] * int(exponent))

@@ -147,6 +147,8 @@ def _int_ir(x: sympy.Basic, kinds: dict[str, tuple[str, VarKind]]) -> ir.Expr:
     if x.is_Integer:
         return ir.Const(Type.INT, int(x))
     if x.is_Symbol:
+        if x.name not in kinds:  # (the literal inf: atoms reading it are never bounded)
+            raise _Unsupported(x)
         return ir.Var(Type.INT, *kinds[x.name])
     if is_tensor_load(x):  # an int tensor read at program-constant indices, e.g. prefix[b]
         return ir.Load(Type.INT, x.func.__name__, tuple(rec(a) for a in x.args))

@@ -52,7 +52,9 @@ class Arg:
     """A runtime argument of a GPU kernel, as a launch on contiguous inputs specialises it.
 
     kind: "desc" a tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width]
-    tiles (rows: the kernel's constexpr naming them; width: "d" head_dim or "dv" head_dim_v), "*in"
+    tiles (rows: the kernel's constexpr naming them; width: "d" head_dim or "dv" head_dim_v);
+    "nvmma_desc" the same for a Gluon kernel, into NVMMA-swizzled shared memory (wgmma's operand
+    layout); "*in"
     a pointer to the spec's dtype, or a Triton type: "*fp32", "*i32" (pointers), "i32", "fp32". divisible: the value is a multiple of 16 (a
     pointer: 16-byte aligned), which the compiler may assume.
     """
@@ -61,6 +63,10 @@ class Arg:
     rows: str = ""
     width: str = "d"
     divisible: bool = False
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.kind.endswith("desc") or self.kind.startswith("*")
 
 
 def desc(rows: str, width: str = "d") -> Arg:
@@ -101,6 +107,9 @@ class Kernel:
     constexprs: tuple[tuple[str, int], ...] = ()
     # When a kernel serves only some launches (the short forward): the config key that turns it on.
     enabled_by: str | None = None
+    language: str = "triton"  # or "gluon": Triton's lower-level language (layouts, warp specialization)
+    # The CUDA compute capabilities it is built for (90: Hopper); () for every GPU.
+    capabilities: tuple[int, ...] = ()
 
     def argument(self, name: str) -> Arg | None:
         return dict(self.arguments).get(name)
@@ -108,12 +117,12 @@ class Kernel:
     @property
     def tensor_names(self) -> str:
         """The declared tensor arguments (descriptors, pointers) as a signature spells them."""
-        return ", ".join(name for name, arg in self.arguments if arg.kind == "desc" or arg.kind.startswith("*"))
+        return ", ".join(name for name, arg in self.arguments if arg.is_tensor)
 
     @property
     def scalar_names(self) -> str:
         """The declared scalar arguments as a signature spells them: "num_heads, q_len, ..."."""
-        return ", ".join(name for name, arg in self.arguments if arg.kind != "desc" and not arg.kind.startswith("*"))
+        return ", ".join(name for name, arg in self.arguments if not arg.is_tensor)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ Parentheses follow Python's precedence, so the output has no more of them than i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,10 @@ class Dialect:
     # An index clamped into an axis: (index source, the tensor's name in the target, axis) -> source.
     clamp: Callable[[str, str, int], str]
     logic: tuple[str, str] = ("&", "|")  # spelling of and, or
+    infinity: str = 'float("inf")'  # a Python float both kernel languages take as a constant
+    # Kernels hold a bool tensor as 0/1 ints (Triton loads them widened, TPU scalar memory and
+    # gathered arrays take 32-bit values): an element is read as `element != 0`.
+    bools_as_ints: bool = True
 
 
 # The position variable that spans each axis name of a tensor param exactly.
@@ -75,7 +80,9 @@ class _Printer:
     def print(self, e: ir.Expr) -> tuple[str, int]:
         d = self.dialect
         if isinstance(e, ir.Const):
-            if e.type is Type.FLOAT:
+            if e.type is Type.FLOAT and math.isinf(e.value):
+                text = f"-{d.infinity}" if e.value < 0 else d.infinity
+            elif e.type is Type.FLOAT:
                 text = repr(float(e.value))
             else:
                 text = repr(e.value) if e.type is Type.BOOL else str(int(e.value))
@@ -111,5 +118,7 @@ class _Printer:
                 text if k < len(axes) and exact_index(index, axes[k]) else d.clamp(text, tensor, k)
                 for k, (index, text) in enumerate((i, self.print(i)[0]) for i in e.indices)
             ]
+            if e.type is Type.BOOL and d.bools_as_ints:
+                return f"{d.load(tensor, indices)} != 0", _CMP
             return d.load(tensor, indices), _ATOM
         raise AssertionError(f"unhandled IR node {e!r}")

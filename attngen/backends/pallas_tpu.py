@@ -1,7 +1,7 @@
 """Target: Pallas for TPUs (Mosaic), on jax arrays.
 
 Owns the [pallas_tpu] table (keys, checks, a scoped-VMEM estimate) and declares the Pallas
-kernels: the forward, the dQ kernel and the dK/dV kernel.
+kernels: the forward, the dQ kernel, the dK/dV kernel and the KV-cache decode kernel.
 """
 
 from dataclasses import dataclass, fields
@@ -21,7 +21,7 @@ class PallasTpuConfig:
 CONFIG_KEYS = tuple(f.name for f in fields(PallasTpuConfig))
 
 # Each kernel declared once. `attngen check` compiles them through the module's jitted entry
-# points: _forward, and _backward (dQ and dK/dV under one jax.jit).
+# points: _forward, _backward (dQ and dK/dV under one jax.jit) and _decode (contiguous, paged).
 KERNELS = (
     Kernel(
         "fwd",
@@ -49,6 +49,15 @@ KERNELS = (
         "Backward, dK/dV: q blocks reduced per kv block.",
         BY_KEY_BLOCK,
         "block_q",
+    ),
+    Kernel(
+        "decode",
+        "kvcache",
+        "_decode_kernel",
+        "decode.py.jinja",
+        "Decoding from a KV cache: the new tokens of every query head of a kv head per program, kv blocks reduced.",
+        BY_QUERY_BLOCK,
+        "block_kv",
     ),
 )
 
@@ -101,6 +110,11 @@ PALLAS_TPU = Backend(
             "log": "jnp.log",
             "sqrt": "jnp.sqrt",
             "tanh": "jnp.tanh",
+            "sin": "jnp.sin",
+            "cos": "jnp.cos",
+            "tan": "jnp.tan",
+            "exp2": "jnp.exp2",
+            "log2": "jnp.log2",
             "abs": "jnp.abs",
             "min": "jnp.minimum",
             "max": "jnp.maximum",
@@ -131,12 +145,21 @@ DEFAULT_VMEM_LIMIT = 16 * 1024 * 1024
 _LANES = 128  # a [rows, 1] f32 array occupies [rows, 128] in VMEM
 
 
-def vmem_estimate(block_q: int, block_kv: int, head_dim: int, itemsize: int) -> dict[str, int]:
-    """Bytes of scoped VMEM the generated forward and backward kernels need, per kernel.
+# Query rows of one decode program in the VMEM estimate and `attngen check`: the new tokens of
+# every query head of one kv head (e.g. 8 heads x 2 tokens); their number is known only per call.
+DECODE_ROWS = 16
+
+
+def vmem_estimate(
+    block_q: int, block_kv: int, head_dim: int, itemsize: int, decode_rows: int = DECODE_ROWS
+) -> dict[str, int]:
+    """Bytes of scoped VMEM the generated kernels need, per kernel ("fwd", "bwd", "decode").
 
     Counts what the templates allocate: double-buffered input and output blocks, scratch, and one
     f32 [block_q, block_kv] temporary for each live score-sized value. Within 1% of Mosaic's own
-    figure for the forward at block_q=2048, block_kv=4096, head_dim=128, bf16 (43.3 MiB).
+    figure for the forward at block_q=2048, block_kv=4096, head_dim=128, bf16 (43.3 MiB). The
+    decode kernel holds decode_rows query rows against a block_kv block of the cache (a paged
+    cache's block is made of pages: the same bytes).
     """
     q_tile, kv_tile = block_q * head_dim * itemsize, block_kv * head_dim * itemsize
     row_stat = block_q * _LANES * 4
@@ -144,4 +167,7 @@ def vmem_estimate(block_q: int, block_kv: int, head_dim: int, itemsize: int) -> 
     forward = 2 * (q_tile + 2 * kv_tile) + 2 * (q_tile + row_stat) + 2 * row_stat + block_q * head_dim * 4 + scores
     dq = 2 * (2 * q_tile + 2 * kv_tile + 2 * row_stat) + 2 * q_tile + block_q * head_dim * 4 + 2 * scores
     dkdv = 2 * (2 * q_tile + 2 * kv_tile + 2 * row_stat) + 2 * 2 * kv_tile + 2 * block_kv * head_dim * 4 + 2 * scores
-    return {"fwd": forward, "bwd": max(dq, dkdv)}
+    rows_tile, rows_stat = decode_rows * head_dim * itemsize, decode_rows * _LANES * 4
+    decode = 2 * (2 * rows_tile + 2 * kv_tile + rows_stat) + 2 * rows_stat + decode_rows * head_dim * 4
+    decode += decode_rows * block_kv * 4
+    return {"fwd": forward, "bwd": max(dq, dkdv), "decode": decode}

@@ -61,6 +61,24 @@ class TritonConfig:
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 3
+    # The Hopper forward (Gluon, sm90 only; the forward above serves other GPUs): sm90_block_m
+    # query rows per program, in two consumer warpgroups of half as many (wgmma's tile is 64 rows
+    # per warpgroup, so 128 it is), sm90_block_n keys per step through a ring of sm90_num_stages
+    # K/V buffers; sm90_num_warps is each consumer's (one warpgroup). sm90_forward = 0 turns it off;
+    # make_config sets its default (fp16 and bf16 only: wgmma takes no float32 inputs).
+    sm90_forward: int = 1
+    sm90_block_m: int = 128
+    sm90_block_n: int = 128
+    sm90_num_warps: int = 4
+    sm90_num_stages: int = 2
+    # The Hopper dK/dV kernel: sm90_dkdv_block_n keys per program in two consumer warpgroups of
+    # half as many, sm90_dkdv_block_m queries per step through a ring of sm90_dkdv_num_stages Q/dO
+    # buffers. sm90_backward = 0 turns it off (make_config sets its default like sm90_forward's).
+    sm90_backward: int = 1
+    sm90_dkdv_block_m: int = 64
+    sm90_dkdv_block_n: int = 128
+    sm90_dkdv_num_warps: int = 4
+    sm90_dkdv_num_stages: int = 2
 
     def tiles(self, kernel: Kernel) -> dict[str, int]:
         """block_m, block_n, num_warps and num_stages of one kernel."""
@@ -180,6 +198,53 @@ KERNELS = (
         # One query head per kv head, a contiguous cache, no split: each compiles its own kernel.
         constexprs=(("GROUP", 1), ("PAGED", 0), ("SPLIT", 0)),
     ),
+    Kernel(
+        "fwd_sm90",
+        "training",
+        "_attention_fwd_sm90",
+        "fwd_sm90.py.jinja",
+        about="Forward on Hopper (Gluon): SM90_BLOCK_M queries per program in two consumer warpgroups, SM90_BLOCK_N keys per step.",
+        walks=BY_QUERY_BLOCK,
+        step="BLOCK_N",
+        tiles="sm90_",
+        arguments=(
+            ("q_desc", Arg("nvmma_desc", "HALF_BLOCK_M")),
+            ("k_desc", Arg("nvmma_desc", "BLOCK_N")),
+            ("v_desc", Arg("nvmma_desc", "BLOCK_N", "dv")),
+            ("o_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
+            ("LSE", F32_POINTER),
+            *PROBLEM_ARGS,
+        ),
+        constexprs=(("GROUP", 1),),
+        enabled_by="sm90_forward",
+        language="gluon",
+        capabilities=(90,),
+    ),
+    Kernel(
+        "bwd_dkdv_sm90",
+        "training",
+        "_attention_bwd_dkdv_sm90",
+        "bwd_dkdv_sm90.py.jinja",
+        about="Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program in two consumer warpgroups, SM90_DKDV_BLOCK_M queries per step.",
+        walks=BY_KEY_BLOCK,
+        step="BLOCK_M",
+        tiles="sm90_dkdv_",
+        arguments=(
+            ("q_desc", Arg("nvmma_desc", "BLOCK_M")),
+            ("k_desc", Arg("nvmma_desc", "HALF_BLOCK_N")),
+            ("v_desc", Arg("nvmma_desc", "HALF_BLOCK_N", "dv")),
+            ("do_desc", Arg("nvmma_desc", "BLOCK_M", "dv")),
+            ("LSE", F32_POINTER),
+            ("DELTA", F32_POINTER),
+            ("DK", INPUT_POINTER),  # float32 partial sums when SPLITS > 1
+            ("DV", INPUT_POINTER),
+            *PROBLEM_ARGS,
+        ),
+        constexprs=(("GROUP", 1), ("SPLITS", 1)),
+        enabled_by="sm90_backward",
+        language="gluon",
+        capabilities=(90,),
+    ),
 )
 
 
@@ -201,6 +266,19 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     for key in (f"{prefix}num_stages" for prefix in prefixes):
         if key in table and not 1 <= table[key] <= 8:
             report(f"triton {key} must be in 1..8, got {table[key]}", key)
+    for key, value, why in (
+        ("sm90_block_m", 128, "two consumer warpgroups of 64 rows, wgmma's tile height"),
+        ("sm90_num_warps", 4, "each consumer is one warpgroup"),
+        ("sm90_dkdv_block_n", 128, "two consumer warpgroups of 64 keys, wgmma's tile height"),
+        ("sm90_dkdv_num_warps", 4, "each consumer is one warpgroup"),
+    ):
+        if key in table and table[key] != value:
+            report(f"triton {key} must be {value} ({why}), got {table[key]}", key)
+    for key in ("sm90_forward", "sm90_backward"):
+        if key in table and table[key] not in (0, 1):
+            report(f"triton {key} must be 0 or 1, got {table[key]}", key)
+        if table.get(key) and shape is not None and shape.dtype == "float32":
+            report(f"triton {key} needs fp16 or bf16: wgmma takes no float32 inputs", key)
     if "short_kv_len" in table and not 0 <= table["short_kv_len"] < 2**31:
         report(
             f"triton short_kv_len must be in 0..2**31-1, got {table['short_kv_len']}",
@@ -210,6 +288,12 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     if report.count or shape is None:  # (no shape: a spec with other problems; values checked only)
         return None
     config = {**default_config(shape.widest, shape.dtype), **table}
+    # On by default where it is measured faster than the Triton forward (BENCHMARKS.md, H200): fp16
+    # and bf16 with heads wider than 64. At 64 it only ties, and loses below 4k keys.
+    config.setdefault("sm90_forward", int(shape.dtype != "float32" and shape.widest > 64))
+    config.setdefault("sm90_backward", int(shape.dtype != "float32" and shape.widest > 64))
+    # K and V tiles of 128 keys fit the ring for head dims up to 128; wider heads take 64 keys.
+    config.setdefault("sm90_block_n", 128 if shape.widest <= 128 else 64)
     if table.keys() & set(TILE_KEYS) and not any(k.startswith("short_") for k in table):
         config["short_kv_len"] = 0
     return TritonConfig(**config)
@@ -230,6 +314,11 @@ TRITON_GPU = Backend(
             "log": "tl.log",
             "sqrt": "tl.sqrt",
             "tanh": "tanh",  # helper: libdevice is unavailable under TRITON_INTERPRET
+            "sin": "tl.sin",
+            "cos": "tl.cos",
+            "tan": "tan",  # helper: Triton has no tl.tan (libdevice's is unavailable, as above)
+            "exp2": "tl.exp2",
+            "log2": "tl.log2",
             "abs": "tl.abs",
             "min": "tl.minimum",
             "max": "tl.maximum",
@@ -248,7 +337,7 @@ TRITON_GPU = Backend(
     config_keys=CONFIG_KEYS,
     make_config=make_config,
     symbolic_blocks=True,  # BLOCK_M, BLOCK_N are each kernel's constexprs
-    helper_functions=frozenset({"tanh", "floordiv", "floormod"}),
+    helper_functions=frozenset({"tanh", "tan", "floordiv", "floormod"}),
     tensor_args=tensor_args,
     gathers_position_loads=False,
     array_module="torch",

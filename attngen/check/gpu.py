@@ -1,8 +1,9 @@
-"""Ahead-of-time compile of the generated Triton kernels for NVIDIA GPUs, on a CPU machine.
+"""Ahead-of-time compile of the generated Triton kernels for NVIDIA and AMD GPUs, on a CPU machine.
 
-Triton compiles for a GPUTarget without a GPU (ptxas ships with it), but it checks shared memory
-only when a kernel is loaded onto a device; this module checks it against the target's per-block
-limit, and reads registers and the stack frame (spills) of the cubin with cuobjdump.
+Triton compiles for a GPUTarget without a GPU (ptxas and the AMDGPU LLVM backend ship with it), but
+it checks shared memory (AMD: LDS) only when a kernel is loaded onto a device; this module checks
+it against the target's per-block limit, and reads registers and spills from the binary: the
+cubin's with cuobjdump, the hsaco's from the code-object metadata in its amdgcn text.
 
 It runs in a process of its own (`python -m attngen.check.gpu MODULE DTYPE TARGET...`, one JSON
 finding per line), so that compiling never mixes with a process that runs kernels under
@@ -18,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,31 +32,58 @@ from attngen.check.report import Finding
 @dataclass(frozen=True)
 class GpuTarget:
     name: str
-    capability: int
-    max_shared: int  # bytes of shared memory one block may use (opt-in maximum)
+    backend: str  # Triton's: "cuda" (builds a cubin) or "hip" (an hsaco, for AMD)
+    arch: int | str  # a CUDA compute capability (90) or an AMD LLVM target ("gfx942")
+    warp_size: int  # threads of a warp (AMD: wavefront)
+    max_shared: int  # bytes of shared memory (AMD: LDS) one block (AMD: workgroup) may use
+
+    @property
+    def capability(self) -> int | None:
+        """The CUDA compute capability that Kernel.capabilities names; None on AMD."""
+        return self.arch if self.backend == "cuda" else None
+
+    @property
+    def memory(self) -> str:
+        return "shared memory" if self.backend == "cuda" else "LDS"
 
 
+# Per-block limits. NVIDIA: the opt-in maximum, the SM's shared memory less the 1 KiB the driver
+# reserves per block (CUDA C++ Programming Guide, "Compute Capabilities", technical specifications
+# per compute capability; the same figures as NVIDIA/cccl's cuda/__device/arch_traits.h: 164, 228,
+# 228 and 100 KiB per SM on sm80, sm90, sm100 and sm120). AMD: the compute unit's LDS, all of which
+# one workgroup may use (ROCm documentation, "AMD GPU specifications": 64 KiB on CDNA3, 160 KiB on
+# CDNA4). sm100 and later are opt-in targets of `attngen check` (see attngen.check).
 GPU_TARGETS = {
-    "sm90": GpuTarget("sm90", 90, 227 * 1024),
-    "sm80": GpuTarget("sm80", 80, 163 * 1024),
+    "sm90": GpuTarget("sm90", "cuda", 90, 32, 227 * 1024),  # H100, H200
+    "sm80": GpuTarget("sm80", "cuda", 80, 32, 163 * 1024),  # A100
+    "sm100": GpuTarget("sm100", "cuda", 100, 32, 227 * 1024),  # B200, GB200: datacenter Blackwell
+    "sm120": GpuTarget("sm120", "cuda", 120, 32, 99 * 1024),  # RTX 50 series, RTX PRO 6000: consumer Blackwell
+    "gfx942": GpuTarget("gfx942", "hip", "gfx942", 64, 64 * 1024),  # MI300X, MI325X (CDNA3)
+    "gfx950": GpuTarget("gfx950", "hip", "gfx950", 64, 160 * 1024),  # MI350X, MI355X (CDNA4)
 }
 
 _ELEMENT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
-def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> list[Finding]:
-    """check_gpu for each target, in a fresh Python process compiling for real GPUs."""
+def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> Iterator[Finding]:
+    """check_gpu for each target, in a fresh Python process compiling for real GPUs; each finding
+    is yielded as soon as the process prints it, so the CLI can show progress."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run(
-        [sys.executable, "-m", "attngen.check.gpu", str(path), dtype, *targets],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"the GPU check of {path} failed:\n{result.stderr[-2000:]}")
-    return [Finding(**json.loads(line)) for line in result.stdout.splitlines() if line.startswith("{")]
+    # stderr goes to a file, not a pipe: a pipe nobody reads while we read stdout could fill and block the child.
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        with subprocess.Popen(
+            [sys.executable, "-m", "attngen.check.gpu", str(path), dtype, *targets],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        ) as process:
+            for line in process.stdout:
+                if line.startswith("{"):
+                    yield Finding(**json.loads(line))
+        if process.returncode != 0:
+            stderr.seek(0)
+            raise RuntimeError(f"the GPU check of {path} failed:\n{stderr.read()[-2000:]}")
 
 
 def _tiles(module, kernel: Kernel) -> dict[str, int]:
@@ -71,6 +100,10 @@ def _signature(module, kernel: Kernel, dtype: str):
         **dict(kernel.constexprs),
         "BLOCK_M": tiles["block_m"],
         "BLOCK_N": tiles["block_n"],
+        # The Gluon kernels' tiles per consumer warpgroup: half a block of queries (forward) or keys (dK/dV).
+        "HALF_BLOCK_M": tiles["block_m"] // 2,
+        "HALF_BLOCK_N": tiles["block_n"] // 2,
+        "STAGES": tiles["num_stages"],
         "BLOCK_D": module.BLOCK_D,
         "BLOCK_DV": module.BLOCK_DV,
         "HEAD_DIM": module.HEAD_DIM,
@@ -86,6 +119,8 @@ def _signature(module, kernel: Kernel, dtype: str):
         elif declared is not None and declared.kind == "desc":
             rows = constexpr_values[declared.rows]
             signature[name] = f"tensordesc<{_ELEMENT[dtype]}[1,1,{rows},{widths[declared.width]}]>"
+        elif declared is not None and declared.kind == "nvmma_desc":
+            signature[name] = _nvmma_descriptor_type(dtype, constexpr_values[declared.rows], widths[declared.width])
         elif declared is not None:
             signature[name] = f"*{_ELEMENT[dtype]}" if declared.kind == "*in" else declared.kind
         # What the spec adds after the declared arguments: block tables, then its params.
@@ -94,7 +129,7 @@ def _signature(module, kernel: Kernel, dtype: str):
         elif name.startswith("tables_stride_"):
             signature[name] = "i32"
         elif name.removeprefix("param_") in tensors:  # a tensor param's data
-            signature[name] = "*fp32" if tensors[name.removeprefix("param_")][0] is float else "*i32"
+            signature[name] = {float: "*fp32", int: "*i32", bool: "*i1"}[tensors[name.removeprefix("param_")][0]]
             declared = Arg(signature[name], divisible=True)
         elif name.removeprefix("param_") in module.PARAMS:
             signature[name] = "fp32" if module.PARAMS[name.removeprefix("param_")] is float else "i32"
@@ -105,6 +140,15 @@ def _signature(module, kernel: Kernel, dtype: str):
         if declared is not None and declared.divisible:
             attrs[(index,)] = [["tt.divisibility", 16]]
     return fn, signature, constexprs, attrs
+
+
+def _nvmma_descriptor_type(dtype: str, rows: int, width: int) -> str:
+    """A Gluon descriptor's type, as a launch mangles it: the shared-memory layout is part of it."""
+    from triton.experimental.gluon import language as gl
+
+    block = [1, 1, rows, width]
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))
+    return f"tensordesc<{_ELEMENT[dtype]}{block},{layout!r}>"
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -122,47 +166,107 @@ def _resource_usage(cubin: bytes) -> dict:
     return {"registers": int(usage.group(1)), "stack_bytes": int(usage.group(2))} if usage else {}
 
 
-def check_gpu(module, dtype: str, target: GpuTarget) -> list[Finding]:
-    """Compile each kernel of a generated triton_gpu module for `target`."""
+# The AMD kernel's code-object metadata (amdhsa.kernels in the amdgcn text) and how findings name it.
+# VGPRs spill to scratch, per-lane memory behind the vector L1 (its size per lane is the cost, as
+# NVIDIA's stack frame is); SGPRs spill to lanes of a VGPR, which costs little.
+_AMDGCN_USAGE = {
+    "vgpr_count": "vgprs",  # with the AGPRs: CDNA's unified register file, up to 512 per lane
+    "agpr_count": "agprs",  # the accumulation registers of CDNA's matrix cores
+    "sgpr_count": "sgprs",
+    "vgpr_spill_count": "vgpr_spills",
+    "sgpr_spill_count": "sgpr_spills",
+    "private_segment_fixed_size": "scratch_bytes",
+}
+
+
+def _amdgcn_usage(amdgcn: str) -> dict:
+    """Registers, spills and scratch bytes per lane of the one kernel of Triton's amdgcn text."""
+    metadata = dict(re.findall(r"^\s*-?\s*\.(\w+):\s+(\d+)$", amdgcn, re.MULTILINE))
+    return {label: int(metadata[key]) for key, label in _AMDGCN_USAGE.items() if key in metadata}
+
+
+def _descriptor_note(kernel: Kernel, compiled, target: GpuTarget) -> str:
+    """What the kernel's tensor descriptors become where there is no TMA (sm80, AMD): Triton rewrites
+    them into pointer loads. With TMA it records each descriptor's layout in tensordesc_meta."""
+    if not any(arg.kind == "desc" for _, arg in kernel.arguments) or compiled.metadata.tensordesc_meta:
+        return ""
+    return f"no TMA on {target.name}: Triton lowers the tensor descriptors to pointer loads"
+
+
+def _not_built_note(module, kernel: Kernel, target: GpuTarget) -> str:
+    """Why a kernel for some GPUs only (a Hopper Gluon kernel) is not built for `target`, and which
+    kernels serve that launch there: the Triton kernels whose function its own extends
+    (_attention_fwd_sm90 stands in for _attention_fwd)."""
+    instead = [
+        k.name
+        for k in TRITON_GPU.kernels
+        if not k.capabilities
+        and kernel.function.startswith(k.function)
+        and (k.enabled_by is None or getattr(module, k.enabled_by.upper()))
+    ]
+    archs = ", ".join(f"sm{capability}" for capability in kernel.capabilities)
+    what = kernel.about.split(":")[0]  # e.g. "Forward on Hopper (Gluon)"
+    serve = f"{' and '.join(instead)} (Triton) serve{'s' if len(instead) == 1 else ''}" if instead else "Triton serves"
+    return f"not built for {target.name}: {what} runs on {archs} only; {serve} this GPU"
+
+
+def compile_kernel(module, kernel: Kernel, dtype: str, target: GpuTarget | int):
+    """One kernel of a generated triton_gpu module, compiled for `target` (an int: a CUDA compute
+    capability)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
-    findings = []
+    tiles = _tiles(module, kernel)
+    fn, signature, constexprs, attrs = _signature(module, kernel, dtype)
+    if kernel.language == "gluon":  # warp-specialized: registers move between partitions
+        source = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": tiles["num_warps"], "maxnreg": module.SM90_MAX_REGISTERS}
+    else:
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
+    if isinstance(target, int):
+        target = GpuTarget(f"sm{target}", "cuda", target, 32, max_shared=0)
+    return triton.compile(source, target=GPUTarget(target.backend, target.arch, target.warp_size), options=options)
+
+
+def check_gpu(module, dtype: str, target: GpuTarget) -> Iterator[Finding]:
+    """Compile each kernel of a generated triton_gpu module for `target`, a finding as each is done."""
     for kernel in TRITON_GPU.kernels:
         if kernel.enabled_by and not getattr(module, kernel.enabled_by.upper()):  # e.g. no short forward
             continue
-        name, tiles = kernel.name, _tiles(module, kernel)
-        warps, stages = tiles["num_warps"], tiles["num_stages"]
-        blocks = " ".join(f"{key}={value}" for key, value in tiles.items())
-        fn, signature, constexprs, attrs = _signature(module, kernel, dtype)
+        name = kernel.name
+        if kernel.capabilities and target.capability not in kernel.capabilities:  # a Hopper kernel elsewhere
+            yield Finding(target.name, name, "", ok=True, skipped=True, note=_not_built_note(module, kernel, target))
+            continue
+        blocks = " ".join(f"{key}={value}" for key, value in _tiles(module, kernel).items())
         try:
-            compiled = triton.compile(
-                ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                target=GPUTarget("cuda", target.capability, 32),
-                options={"num_warps": warps, "num_stages": stages},
-            )
+            compiled = compile_kernel(module, kernel, dtype, target)
         except Exception as e:  # noqa: BLE001  (any compiler failure is the finding)
             message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            findings.append(Finding(target.name, name, blocks, ok=False, problem=f"does not compile: {message}"))
+            yield Finding(target.name, name, blocks, ok=False, problem=f"does not compile: {message}")
             continue
         shared = compiled.metadata.shared
-        resources = {"shared": f"{shared / 1024:.0f} KiB", **_resource_usage(compiled.asm["cubin"])}
+        if target.backend == "cuda":
+            resources = {"shared": f"{shared / 1024:.0f} KiB", **_resource_usage(compiled.asm["cubin"])}
+            spills = resources.get("stack_bytes", 0)
+            warning = f"registers spill to a {spills}-byte stack frame" if spills else ""
+        else:
+            resources = {"lds": f"{shared / 1024:.0f} KiB", **_amdgcn_usage(compiled.asm["amdgcn"])}
+            spills = resources.get("scratch_bytes", 0)
+            warning = (
+                f"{resources.get('vgpr_spills', 0)} VGPRs spill to a {spills}-byte scratch frame" if spills else ""
+            )
         if shared > target.max_shared:
             problem = (
-                f"shared memory {shared / 1024:.0f} KiB > {target.max_shared / 1024:.0f} KiB per block"
+                f"{target.memory} {shared / 1024:.0f} KiB > {target.max_shared / 1024:.0f} KiB per block"
                 f" (smaller blocks or fewer {kernel.tiles}num_stages)"
             )
-            findings.append(Finding(target.name, name, blocks, ok=False, problem=problem, resources=resources))
+            yield Finding(target.name, name, blocks, ok=False, problem=problem, resources=resources)
             continue
-        spills = resources.get("stack_bytes", 0)
-        warning = (
-            f"registers spill to a {spills}-byte stack frame (slow; try fewer warps or smaller blocks)"
-            if spills
-            else ""
-        )
-        findings.append(Finding(target.name, name, blocks, ok=True, warning=warning, resources=resources))
-    return findings
+        note = _descriptor_note(kernel, compiled, target)
+        yield Finding(target.name, name, blocks, ok=True, warning=warning, resources=resources, note=note)
 
 
 def main(argv: list[str]) -> None:

@@ -71,12 +71,17 @@ class Binary(Node):
 
 
 class ParseError(Exception):
-    """A syntax error at `offset` within the expression text."""
+    """A syntax error at `offset` within the expression text, with a hint where one helps."""
 
-    def __init__(self, message: str, offset: int, width: int = 1):
+    def __init__(self, message: str, offset: int, width: int = 1, hint: str | None = None):
         super().__init__(message)
         self.offset = offset
         self.width = width
+        self.hint = hint
+
+
+# Operators of C, JavaScript or numpy that people write for the language's words.
+_WORD_FOR = {"&": "and", "|": "or", "!": "not"}
 
 
 @cache
@@ -98,7 +103,14 @@ def parse(text: str) -> Node:
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedCharacters as e:
-        raise ParseError(f"unexpected character {text[e.pos_in_stream]!r}", e.pos_in_stream) from None
+        offset, char = e.pos_in_stream, text[e.pos_in_stream]
+        if char in _WORD_FOR:  # (`!=` lexes as a comparison, so a `!` here is a negation)
+            width = 2 if text[offset : offset + 2] == char * 2 else 1  # && and || as one operator
+            operator = text[offset : offset + width]
+            raise ParseError(
+                f"unexpected {operator!r}", offset, width, hint=f"write `{_WORD_FOR[char]}` instead of `{operator}`"
+            ) from None
+        raise ParseError(f"unexpected character {char!r}", offset) from None
     except lark.exceptions.UnexpectedToken as e:
         if e.token.type == "$END":
             raise ParseError("unexpected end of expression", len(text)) from None

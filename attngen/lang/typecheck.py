@@ -9,6 +9,10 @@ tile analysis and the derivative use, so no later stage meets a non-finite or co
 Bound the work of those stages, which grows faster than the expression: a mask may hold at most
 MAX_MASK_COMPARISONS comparisons once in negation normal form (what the tile analysis walks), a
 score expression at most MAX_MIN_MAX calls of min and max (each doubles its derivative's cases).
+The literal inf (and -inf, its negation) is a value to choose or compare, as a score modifier
+returns -inf to drop a key: arithmetic with an infinite constant and a value that varies is an
+error (its result is infinite or NaN whatever that value is), and a constant that folds to NaN
+(inf - inf) is one too.
 Non-goals: no simplification or constant folding (constants are evaluated to be checked, not
 replaced); the IR mirrors what the user wrote.
 """
@@ -95,7 +99,7 @@ class _Checker:
         else:
             operands = [self.value(c) for c in ir.children(expr)]
             if None in operands:
-                return True
+                return self._finite_arithmetic(expr, operands, node)
             try:
                 value = _evaluate(expr, operands)
             except (ArithmeticError, ValueError):
@@ -106,6 +110,18 @@ class _Checker:
             self.error(problem, node)
             return False
         self.constants[id(expr)] = (expr, value)
+        return True
+
+    def _finite_arithmetic(self, expr: ir.Expr, operands: list, node: ast.Node) -> bool:
+        """False after recording a problem if expr does arithmetic with an infinite constant and a
+        value that varies (choosing it with where, min or max, or comparing with it, is fine)."""
+        if isinstance(expr, ir.Arith) and any(isinstance(v, float) and math.isinf(v) for v in operands):
+            self.error(
+                "arithmetic with an infinity: the result is infinite or NaN whatever the other operand",
+                node,
+                "choose it instead, e.g. where(kv_idx > q_idx, -inf, score) or min(score, inf)",
+            )
+            return False
         return True
 
     def _typed(self, node: ast.Node) -> ir.Expr | None:
@@ -277,7 +293,8 @@ def _evaluate(e: ir.Expr, operands: list) -> int | float | bool:
     if isinstance(e, ir.Where):
         return operands[1] if operands[0] else operands[2]
     if isinstance(e, ir.Func):
-        functions = {"exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh}
+        functions = {"exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh, "sin": math.sin}
+        functions |= {"cos": math.cos, "tan": math.tan, "exp2": lambda x: 2.0**x, "log2": math.log2}
         return (functions | {"abs": abs, "min": min, "max": max})[e.name](*operands)
     raise AssertionError(f"unhandled IR node {e!r}")
 
@@ -286,12 +303,14 @@ def _no_value_message(e: ir.Expr) -> str:
     """Why e (whose evaluation failed, or which sympy finds no finite real form for) has no value."""
     if isinstance(e, ir.Arith) and e.op in ("/", "//", "%"):
         return "division by zero: the divisor is always 0"
-    if isinstance(e, ir.Func) and e.name == "log":
-        return "log of a number that is never positive"
+    if isinstance(e, ir.Func) and e.name in ("log", "log2"):
+        return f"{e.name} of a number that is never positive"
     if isinstance(e, ir.Func) and e.name == "sqrt":
         return "sqrt of a number that is always negative"
-    if isinstance(e, ir.Func) and e.name == "exp":
-        return "exp of this constant overflows float32"
+    if isinstance(e, ir.Func) and e.name in ("exp", "exp2"):
+        return f"{e.name} of this constant overflows float32"
+    if isinstance(e, ir.Func) and e.name in ("sin", "cos", "tan"):
+        return f"{e.name} of an infinity has no value"
     return "this has no finite real value"
 
 
@@ -302,6 +321,12 @@ def _range_problem(value: float | bool, literal: str | None) -> str | None:
         return None
     if isinstance(value, int):
         return None if INT32_MIN <= value <= INT32_MAX else f"integer {what} does not fit in int32"
+    if math.isnan(value):
+        return f"this {what} is NaN (not a number): inf - inf, 0 * inf and inf / inf have no value"
+    # An infinite constant comes from the literal inf (a finite computation leaves float32's range,
+    # and is refused, before it reaches float64's); a longer literal such as 1e999 is an overflow.
+    if math.isinf(value) and literal in (None, "inf"):
+        return None
     if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
         return f"float {what} does not fit in float32 (largest: 3.4e38)"
     # Only a literal: a literal that rounds to 0 is a typo, a computed product may underflow.

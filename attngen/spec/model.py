@@ -12,6 +12,8 @@ from attngen.backends.base import ProblemShape
 
 DTYPES = ("float16", "bfloat16", "float32")
 PARAM_TYPES = {"int": ir.Type.INT, "float": ir.Type.FLOAT}
+# A tensor's elements may also be bools (a mask table: true = attend), read as they are.
+TENSOR_TYPES = {**PARAM_TYPES, "bool": ir.Type.BOOL}
 # Axis names of a tensor param that stand for the attention problem's own sizes; any other name
 # is a size of the caller's choosing (the same name is the same size in every tensor).
 SIZE_NAMES = ("batch", "heads", "kv_heads", "q_len", "kv_len")
@@ -25,7 +27,8 @@ CAUSAL_MASKS = {True: CAUSAL_MASK, "top_left": CAUSAL_MASK, "bottom_right": "q_i
 # Names a param may not take: the language's own, the generated functions' arguments, and the
 # names the kernels use internally.
 RESERVED_NAMES = frozenset(
-    {*ir.INDEX_VARS, *ir.SIZE_VARS, "score", "where", *ir.FUNCTIONS, "q", "k", "v", "scale", "return_lse", "interpret"}
+    {*ir.INDEX_VARS, *ir.SIZE_VARS, "score", "where", "inf", *ir.FUNCTIONS}
+    | {"q", "k", "v", "scale", "return_lse", "interpret"}
 )
 MAX_SPEC_BYTES = 1 << 20  # a spec is a few hundred bytes; this bounds what a stray path can cost
 

@@ -232,4 +232,7 @@ class Locator:
             return self.key(*path)
         first = offsets[min(start, len(offsets) - 1)]
         last = offsets[min(end, len(offsets) - 1)] if end is not None else first + 1
-        return self.at(first, last - first)
+        spot = self.at(first, last - first)
+        # A span over several lines (of a multi-line string) is underlined to its first line's end.
+        room = max(1, len(spot.location.source_line) - spot.location.col + 1)
+        return Spot(spot.location, min(spot.width, room))

@@ -7,13 +7,14 @@ The top level, [mask], [score] and [params] are attngen's own; each target decla
 from __future__ import annotations
 
 import datetime
+import difflib
 import keyword
 import re
 from typing import Any
 
 from attngen.backends import TARGETS
 from attngen.errors import shown
-from attngen.spec.model import MAX_TENSOR_RANK, PARAM_TYPES, RESERVED_NAMES, Param
+from attngen.spec.model import MAX_TENSOR_RANK, PARAM_TYPES, RESERVED_NAMES, TENSOR_TYPES, Param
 
 # Whole-string patterns (fullmatch: `$` would also accept a trailing newline). ASCII only, so a
 # look-alike letter from another script is not a letter here.
@@ -33,6 +34,12 @@ SCHEMA: dict[str | None, dict[str, tuple[type | tuple[type, ...], str]]] = {
     **{target.config_table: {key: (int, "an integer") for key in target.config_keys} for target in TARGETS},
 }
 TABLES = (*(t for t in SCHEMA if t is not None), "params")
+
+
+def closest_key(key: str, keys: list[str]) -> str | None:
+    """The key of `keys` that `key` most likely misspells (head_dims, haed_dim, block-m), or None."""
+    close = difflib.get_close_matches(key.lower().replace("-", "_"), keys, n=1, cutoff=0.7)
+    return close[0] if close else None
 
 
 def described(value: Any) -> str:
@@ -72,7 +79,7 @@ def param_name_problem(name: str) -> str | None:
     return None
 
 
-_TENSOR_TYPE_RE = re.compile(r"(int|float)\[([^\]]*)\]", re.ASCII)
+_TENSOR_TYPE_RE = re.compile(r"(int|float|bool)\[([^\]]*)\]", re.ASCII)
 _DIM_RE = re.compile(r"[1-9][0-9]{0,9}|[A-Za-z][A-Za-z0-9_]{0,63}", re.ASCII)
 
 
@@ -84,7 +91,9 @@ def param_declared(name: str, declared: Any) -> tuple[Param | None, str | None]:
         return Param(name, PARAM_TYPES[declared]), None
     m = _TENSOR_TYPE_RE.fullmatch(declared.replace(" ", ""))
     if not m:
-        return None, f'the type must be "int", "float", "int[axes]" or "float[axes]", got {described(declared)}'
+        return None, (
+            f'the type must be "int", "float", "int[axes]", "float[axes]" or "bool[axes]", got {described(declared)}'
+        )
     dims = m.group(2).split(",")
     if not 1 <= len(dims) <= MAX_TENSOR_RANK:
         return None, f"a tensor has 1 to {MAX_TENSOR_RANK} axes, got {len(dims)}"
@@ -95,4 +104,4 @@ def param_declared(name: str, declared: Any) -> tuple[Param | None, str | None]:
         shape.append(int(dim) if dim.isdigit() else dim)
     if any(isinstance(d, int) and d > 2**31 - 1 for d in shape):
         return None, "an axis does not fit in int32"
-    return Param(name, PARAM_TYPES[m.group(1)], tuple(shape)), None
+    return Param(name, TENSOR_TYPES[m.group(1)], tuple(shape)), None

@@ -26,7 +26,16 @@ from attngen.lang import parser
 from attngen.lang.typecheck import Scope, typecheck
 from attngen.spec.model import CAUSAL_MASKS, DTYPES, MAX_SPEC_BYTES, Spec
 from attngen.spec.positions import Locator, Spot, TomlPositions
-from attngen.spec.schema import NAME_RE, SCHEMA, TABLES, described, example, param_declared, param_name_problem
+from attngen.spec.schema import (
+    NAME_RE,
+    SCHEMA,
+    TABLES,
+    closest_key,
+    described,
+    example,
+    param_declared,
+    param_name_problem,
+)
 
 
 @dataclass
@@ -67,7 +76,10 @@ class _Validator:
             if key not in schema:
                 scope = f"[{table}]" if table else "the top level"
                 allowed = [*schema, *(f"[{t}]" for t in TABLES)] if table is None else list(schema)
-                self.error(f"unknown key `{shown(key)}` in {scope}", spot, f"allowed: {', '.join(allowed)}")
+                hint = f"allowed: {', '.join(allowed)}"
+                if close := closest_key(key, [*schema, *TABLES] if table is None else list(schema)):
+                    hint = f"did you mean `{f'[{close}]' if close in TABLES else close}`? {hint}"
+                self.error(f"unknown key `{shown(key)}` in {scope}", spot, hint)
                 continue
             wanted, description = schema[key]
             if type(value) not in (wanted if isinstance(wanted, tuple) else (wanted,)):  # exactly: bool is an int
@@ -85,7 +97,7 @@ class _Validator:
             node = parser.parse(text)
         except parser.ParseError as e:
             spot = self.loc.value(table, "expr", start=e.offset, end=e.offset + e.width)
-            self.error(f"syntax error in [{table}] expr: {e}", spot)
+            self.error(f"syntax error in [{table}] expr: {e}", spot, e.hint)
             return None, None
         expr, problems = typecheck(node, scope, want)
         for p in problems:

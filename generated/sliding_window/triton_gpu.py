@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 64 queries x 64 keys; closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.sliding_window_ec05cdf469df_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.sliding_window_1326708df51d_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -19,6 +19,58 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as NvmmaTensorDescriptor
+
+
+def _fix_interpreter_bf16():
+    """Make Triton's interpreter compute on bf16 values, not on their bits (triton-lang/triton#11584).
+
+    The interpreter (TRITON_INTERPRET=1: kernels run by numpy on the CPU) stores bf16 as raw uint16
+    bits and hands those bits to numpy: to matmul (tl.dot) and to the arithmetic of binary operators
+    (-x, x - y), so this module's kernels would return garbage, silently. Widen bf16 operands to
+    float32 first (exact: bf16 is the top half of a float32); a bf16 arithmetic result is rounded
+    back to bf16 as the GPU would. It patches the interpreter of this process, once; compiled
+    kernels are untouched.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_bf16_fixed", False):  # done already (by another generated module)
+        return
+    original_dot, original_binary_op = builder.create_dot, builder.binary_op
+
+    def widen(handle):
+        if handle.dtype.scalar == tl.bfloat16:
+            bits = handle.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, *args):
+        return original_dot(self, widen(a), widen(b), d, *args)
+
+    def binary_op(self, lhs, rhs, op):
+        if lhs.dtype.scalar != tl.bfloat16:
+            return original_binary_op(self, lhs, rhs, op)
+        result = interpreter.TensorHandle(op(widen(lhs).data, widen(rhs).data).astype(np.float32), tl.float32)
+        return self.cast_impl(result, tl.bfloat16)
+
+    create_dot._bf16_fixed = True
+    builder.create_dot, builder.binary_op = create_dot, binary_op
+
+
+if triton.knobs.runtime.interpret:  # TRITON_INTERPRET, as triton.jit reads it to interpret the kernels below
+    _fix_interpreter_bf16()
+
 
 HEAD_DIM = 128
 HEAD_DIM_V = 128  # v's and the output's
@@ -52,6 +104,21 @@ DECODE_BLOCK_M = 64
 DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+# Forward on Hopper (Gluon): SM90_BLOCK_M queries per program in two consumer warpgroups, SM90_BLOCK_N keys per step.
+SM90_FORWARD = 1
+SM90_BLOCK_M = 128
+SM90_BLOCK_N = 128
+SM90_NUM_WARPS = 4
+SM90_NUM_STAGES = 2
+# Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program in two consumer warpgroups, SM90_DKDV_BLOCK_M queries per step.
+SM90_BACKWARD = 1
+SM90_DKDV_BLOCK_M = 64
+SM90_DKDV_BLOCK_N = 128
+SM90_DKDV_NUM_WARPS = 4
+SM90_DKDV_NUM_STAGES = 2
+# The Hopper kernels' register limit per thread: the first consumer warpgroup (the default
+# partition) gets what the second consumer (240) and the loader warp (24) leave.
+SM90_MAX_REGISTERS = 168
 # GQA and MQA: the dK/dV grid grows to this many programs per SM by splitting query-head groups
 # (see _group_splits; BENCHMARKS.md has the sweep behind it).
 PROGRAMS_PER_SM = 4
@@ -566,7 +633,6 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
-    capacity = block_table.shape[1] * k_cache.shape[2] if block_table is not None else k_cache.shape[2]
     scalars, tensors = _check_params(params)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
@@ -577,52 +643,480 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     return (out, lse) if return_lse else out
 
 
-def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
-    """The inputs of attention_with_kvcache: shapes, dtypes, devices and layouts, before any launch."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D torch tensor")
-        if t.dtype != DTYPE:
-            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-        if t.shape[-1] != (HEAD_DIM_V if name == "v_cache" else HEAD_DIM):
-            raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {HEAD_DIM_V if name == 'v_cache' else HEAD_DIM}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(t.stride())}")
-    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
-        raise ValueError(
-            f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-            " (caches alike; kv heads dividing q heads)"
+# ---------------------------------------------------------------------------- Hopper (sm90) forward
+# FlashAttention-3's structure, written in Gluon: one warp loads Q once and streams K and V tiles
+# through a ring of shared-memory buffers with TMA; two consumer warpgroups own 64 query rows each
+# and run the online softmax with asynchronous wgmma, the softmax of one kv block under the QK^T of
+# the next. The registers move to the consumers (setmaxnreg). Same tile bounds, mask and score
+# functions as the kernels above.
+
+
+@gluon.jit
+def _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, block_lo, block_hi, it,
+                   STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Stream the K and V tiles of one run of kv blocks into the ring; `it` counts ring slots used."""
+    for block in range(block_lo, block_hi):
+        slot = it % STAGES
+        # A slot is free once both consumers released it; a fresh barrier counts as released.
+        phase = (it // STAGES) & 1 ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, block * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, block * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                 b, h, h_kv, q_first, kv_lo, kv_hi, full_lo, full_hi, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The loader warp: each consumer's half of the Q tile, then the K/V tiles of every run in order."""
+    for half in gl.static_range(2):
+        mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            q_desc, [b, h, q_first + half * q_desc.block_type.shape[2], 0], q_ready.index(half), q_smem.index(half)
         )
-    tables = [("cache_seqlens", cache_seqlens, (q.shape[0],))]
-    if block_table is not None:
-        tables.append(("block_table", block_table, (q.shape[0], None)))
-    elif k_cache.shape[0] != q.shape[0]:
-        raise ValueError(f"a contiguous cache holds one sequence per batch entry: k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}")
-    for name, t, shape in tables:
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
-            raise TypeError(f"{name} must be an int32 torch tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        if t.dim() != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if block_table is not None and block_table.stride(-1) != 1:
-        raise ValueError("block_table must have a contiguous last dim")
+    it = 0
+    it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, kv_lo, full_lo, it,
+                        STAGES, BLOCK_N)
+    it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, full_lo, full_hi, it,
+                        STAGES, BLOCK_N)
+    it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, full_hi, kv_hi, it,
+                        STAGES, BLOCK_N)
 
 
-def _descriptor(t, rows, width=BLOCK_D):
-    """A tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width] tiles.
+@gluon.jit
+def _sm90_softmax_step(qk, m_i, l_i, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_window, MASKED: gl.constexpr):
+    """The online softmax of one tile of q.k: (p, the rescale factor of the running sums, m, l)."""
+    qk_scale = scale * 1.4426950408889634  # >= 0: the host takes the Triton forward for a negative scale
+    if MASKED:
+        x = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_window), qk * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, 1))
+        # A row that has seen no visible key keeps m = -inf and is shifted by 0 (see _fwd_kv_blocks).
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(x - gl.expand_dims(m_shift, 1))
+    else:
+        # Every key of a FULL tile is visible: the max is finite, and max(qk * s) = max(qk) * s.
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        m_shift = m_new
+        p = gl.exp2(qk * qk_scale - gl.expand_dims(m_shift, 1))
+    alpha = gl.exp2(m_i - m_shift)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
-    The hardware (TMA) needs a 16-byte aligned base and strides; inputs in other layouts are
-    copied once. Outputs are allocated contiguous here, and head_dim * itemsize is a multiple of
-    16 (spec validation), so they are never copied.
+
+@gluon.jit
+def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                      block_lo, block_hi, q_idx, b, h, q_len, kv_len, scale, param_window,
+                      MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One consumer warpgroup over one run of kv blocks. P V of each block is issued together with
+    the next block's Q K^T, and the softmax of that next block runs while P V is in flight."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = acc.type.layout
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    ROWS: gl.constexpr = q_tile.shape[0]
+    BLOCK_D: gl.constexpr = q_tile.shape[1]
+    BLOCK_DV: gl.constexpr = acc.shape[1]
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    if block_lo < block_hi:
+        block = block_lo
+        # The run's first block: Q K^T, then its softmax.
+        slot = it % STAGES
+        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+        k_tile = k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+        qk = warpgroup_mma(q_tile, k_tile, s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, q_tile, k_tile))[0]
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        kv_idx = gl.expand_dims(block * BLOCK_N + gl.arange(0, BLOCK_N, cols_s), 0)
+        p, alpha, m_i, l_i = _sm90_softmax_step(qk, m_i, l_i, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_window, MASKED)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+        for block in range(block_lo + 1, block_hi):
+            # Issue this block's Q K^T, then the previous block's P V.
+            next_slot = (it + 1) % STAGES
+            mbarrier.wait(k_ready.index(next_slot), ((it + 1) // STAGES) & 1)
+            k_tile = k_smem.index(next_slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+            qk = warpgroup_mma(q_tile, k_tile, s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
+            v_tile = v_smem.index(slot).reshape([BLOCK_N, BLOCK_DV])
+            p_op = gl.convert_layout(p.to(v_tile.dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+            # Q K^T was issued first, so it completes first: wait for it alone.
+            qk = warpgroup_mma_wait(1, deps=(qk, q_tile, k_tile))[0]
+            mbarrier.arrive(k_empty.index(next_slot), count=1)
+            kv_idx = gl.expand_dims(block * BLOCK_N + gl.arange(0, BLOCK_N, cols_s), 0)
+            p, alpha, m_i, l_i = _sm90_softmax_step(qk, m_i, l_i, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_window, MASKED)
+            acc = warpgroup_mma_wait(0, deps=(acc, v_tile, p_op))[0]
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+            it += 1
+            slot = next_slot
+        # The run's last P V.
+        mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
+        v_tile = v_smem.index(slot).reshape([BLOCK_N, BLOCK_DV])
+        p_op = gl.convert_layout(p.to(v_tile.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, v_tile, p_op))[0]
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        it += 1
+    return acc, l_i, m_i, it
+
+
+@gluon.jit
+def _sm90_consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                   b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_window,
+                   HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A consumer warpgroup: query rows [HALF * ROWS, (HALF + 1) * ROWS) of the tile."""
+    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+    ROWS: gl.constexpr = q_smem.shape[3]
+    BLOCK_D: gl.constexpr = q_smem.shape[4]
+    BLOCK_DV: gl.constexpr = o_smem.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_DV, 16])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q_first = q_first + HALF * ROWS
+    q_idx = gl.expand_dims(q_first + gl.arange(0, ROWS, rows_s), 1)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, rows_s)
+    acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
+    q_tile = q_smem.index(HALF).reshape([ROWS, BLOCK_D])
+    mbarrier.wait(q_ready.index(HALF), 0)
+    it = 0
+    acc, l_i, m_i, it = _sm90_consume_run(
+        acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+        kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, param_window, True, STAGES, BLOCK_N,
+    )
+    acc, l_i, m_i, it = _sm90_consume_run(
+        acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+        full_lo, full_hi, q_idx, b, h, q_len, kv_len, scale, param_window, False, STAGES, BLOCK_N,
+    )
+    acc, l_i, m_i, it = _sm90_consume_run(
+        acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+        full_hi, kv_hi, q_idx, b, h, q_len, kv_len, scale, param_window, True, STAGES, BLOCK_N,
+    )
+
+    # A row with no visible key has l = 0 and acc = 0: its output is 0 and its LSE -inf.
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+    o_tile = o_smem.index(HALF)
+    o_tile.reshape([ROWS, BLOCK_DV]).store(out.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], o_tile)  # rows past q_len are dropped
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    offs_m = q_first + gl.arange(0, ROWS, rows_s)
+    gl.store(LSE + bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["q_len", "kv_len", "param_window"])
+def _attention_fwd_sm90(
+    q_desc, k_desc, v_desc, o_desc, LSE,
+    num_heads, q_len, kv_len, scale, param_window,
+    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    # Heaviest q blocks first, as in _attention_fwd.
+    q_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    q_first = q_block * BLOCK_M
+    q_last = gl.minimum(q_first + BLOCK_M, q_len) - 1
+    kv_lo = tl.maximum(0, q_first - param_window + 1) // BLOCK_N
+    kv_hi = floordiv(tl.minimum(BLOCK_N + q_last, BLOCK_N + kv_len - 1), BLOCK_N)
+    full_lo = tl.minimum(kv_hi, tl.maximum(kv_lo, floordiv(tl.maximum(BLOCK_N - 1, BLOCK_N + q_last - param_window), BLOCK_N)))
+    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, q_first + 1) // BLOCK_N))
+
+    ROWS: gl.constexpr = BLOCK_M // 2  # per consumer warpgroup
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], q_desc.layout)
+    if BLOCK_DV == BLOCK_D:
+        o_smem = q_smem  # each consumer's half of Q is dead by the time it stores its output there
+    else:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for half in gl.static_range(2):
+        mbarrier.init(q_ready.index(half), count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(slot), count=1)
+        mbarrier.init(v_ready.index(slot), count=1)
+        mbarrier.init(k_empty.index(slot), count=2)  # released by both consumers
+        mbarrier.init(v_empty.index(slot), count=2)
+
+    gl.warp_specialize(
+        [
+            (
+                _sm90_consumer,
+                (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                 b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_window, 0, STAGES, BLOCK_N),
+            ),
+            (
+                _sm90_consumer,
+                (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                 b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_window, 1, STAGES, BLOCK_N),
+            ),
+            (
+                _sm90_loader,
+                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                 b, h, h // GROUP, q_first, kv_lo, kv_hi, full_lo, full_hi, STAGES, BLOCK_N),
+            ),
+        ],
+        [4, 1],  # warps: the second consumer, the loader
+        [240, 24],  # registers per thread: the second consumer, the loader
+    )
+
+
+# ---------------------------------------------------------------------------- Hopper (sm90) dK/dV
+# One program holds a block of keys (half of it per consumer warpgroup, with its dK and dV in
+# registers) and walks the q blocks that see it; a loader warp streams each q block's Q and dO
+# through a ring of shared-memory buffers with TMA. The five products of the dK/dV step run as
+# asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T together, then dV += P^T dO and dK += dS^T Q
+# with P^T and dS^T straight from registers. Same tile bounds, mask and score as _attention_bwd_dkdv.
+
+
+@gluon.jit
+def _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, param_window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The q blocks that see this kv block, for query head h: the runs of the tile bounds."""
+    kv_last = gl.minimum(kv_first + BLOCK_N, kv_len) - 1
+    q_lo = kv_first // BLOCK_M
+    q_hi = floordiv(tl.minimum(BLOCK_M + q_len - 1, tl.maximum(BLOCK_M - 1, BLOCK_M + kv_last + param_window - 1)), BLOCK_M)
+    q_full_lo = tl.minimum(q_hi, tl.maximum(q_lo, floordiv(BLOCK_M + kv_last - 1, BLOCK_M)))
+    q_full_hi = tl.minimum(q_hi, tl.maximum(q_full_lo, tl.minimum(q_len, tl.maximum(0, kv_first + param_window)) // BLOCK_M))
+    return q_lo, q_hi, q_full_lo, q_full_hi
+
+
+@gluon.jit
+def _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, ready, empty, b, h, block_lo, block_hi, it,
+                        STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Stream the Q and dO tiles of one run of q blocks into the ring; `it` counts ring slots used."""
+    for block in range(block_lo, block_hi):
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), (it // STAGES) & 1 ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, block * BLOCK_M, 0], ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [b, h, block * BLOCK_M, 0], ready.index(slot), do_smem.index(slot))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
+                      b, h_kv, part, kv_block, kv_first, q_len, kv_len, param_window,
+                      GROUP: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The loader warp: each consumer's half of K and V, then Q and dO of every q block in order."""
+    ROWS: gl.constexpr = BLOCK_N // 2
+    mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, kv_first + half * ROWS, 0], kv_ready, k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, kv_first + half * ROWS, 0], kv_ready, v_smem.index(half))
+    it = 0
+    for g in range(GROUP // SPLITS):
+        h = part * (GROUP // SPLITS) + g
+        q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, param_window, BLOCK_M, BLOCK_N)
+        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, ready, empty, b, h, q_lo, q_full_lo, it, STAGES, BLOCK_M)
+        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, ready, empty, b, h, q_full_lo, q_full_hi, it, STAGES, BLOCK_M)
+        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, ready, empty, b, h, q_full_hi, q_hi, it, STAGES, BLOCK_M)
+
+
+@gluon.jit
+def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, empty, lse_row, delta_row,
+                           b, h, block_lo, block_hi, kv_idx, q_len, kv_len, scale, param_window,
+                           MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE)."""
+    ROWS: gl.constexpr = k_tile.shape[0]
+    BLOCK_D: gl.constexpr = k_tile.shape[1]
+    BLOCK_DV: gl.constexpr = v_tile.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dv_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=2)
+    dk_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
+    for block in range(block_lo, block_hi):
+        slot = it % STAGES
+        q_tile = q_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
+        do_tile = do_smem.index(slot).reshape([BLOCK_M, BLOCK_DV])
+        offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, cols)
+        if MASKED:
+            lse = gl.load(lse_row + offs_m, mask=offs_m < q_len, other=0.0)
+            delta = gl.load(delta_row + offs_m, mask=offs_m < q_len, other=0.0)
+        else:
+            lse = gl.load(lse_row + offs_m)
+            delta = gl.load(delta_row + offs_m)
+        q_idx = gl.expand_dims(offs_m, 0)
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        # S^T = K Q^T and dP^T = V dO^T, [keys, queries]: issued together, S^T waited first.
+        qk = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, k_tile, q_tile))[0]
+        p = gl.exp2(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_window) - gl.expand_dims(lse, 0) * 1.4426950408889634)
+        if MASKED:
+            p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_window), p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, v_tile, do_tile))[0]
+        ds = p * (dp - gl.expand_dims(delta, 0))
+        # dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register operands.
+        p_op = gl.convert_layout(p.to(do_tile.dtype), dv_operand)
+        ds_op = gl.convert_layout(ds.to(q_tile.dtype), dk_operand)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, do_tile, q_tile))[:2]
+        mbarrier.arrive(empty.index(slot), count=1)
+        it += 1
+    return dk, dv, it
+
+
+@gluon.jit
+def _sm90_dkdv_consumer(dk_ptr, dv_ptr, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
+                        b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale, param_window,
+                        HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
+    """A consumer warpgroup: keys [HALF * ROWS, (HALF + 1) * ROWS) of the block, over every q block that sees them."""
+    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+    ROWS: gl.constexpr = BLOCK_N // 2
+    BLOCK_D: gl.constexpr = k_smem.shape[4]
+    BLOCK_DV: gl.constexpr = v_smem.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_DV, 16])
+
+    kv_first = kv_first + HALF * ROWS
+    kv_idx = gl.expand_dims(kv_first + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)), 1)
+    k_tile = k_smem.index(HALF).reshape([ROWS, BLOCK_D])
+    v_tile = v_smem.index(HALF).reshape([ROWS, BLOCK_DV])
+    dk = gl.zeros([ROWS, BLOCK_D], gl.float32, dk_layout)
+    dv = gl.zeros([ROWS, BLOCK_DV], gl.float32, dv_layout)
+    mbarrier.wait(kv_ready, 0)
+    it = 0
+    for g in range(GROUP // SPLITS):
+        h = part * (GROUP // SPLITS) + g
+        # The bounds of the whole kv block, as the loader walks them (this half's keys are masked).
+        q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first - HALF * ROWS, q_len, kv_len, param_window, BLOCK_M, BLOCK_N)
+        row = (b * num_heads + h).to(gl.int64) * q_len  # this head's first entry of LSE and delta
+        dk, dv, it = _sm90_dkdv_consume_run(
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, empty, LSE + row, DELTA + row,
+            b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_window, True, STAGES, BLOCK_M,
+        )
+        dk, dv, it = _sm90_dkdv_consume_run(
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, empty, LSE + row, DELTA + row,
+            b, h, q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, param_window, False, STAGES, BLOCK_M,
+        )
+        dk, dv, it = _sm90_dkdv_consume_run(
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, empty, LSE + row, DELTA + row,
+            b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, param_window, True, STAGES, BLOCK_M,
+        )
+
+    # Plain stores, in the accumulators' layout (float32 parts, or the gradients' dtype): keys past
+    # kv_len and columns past the head dim are dropped.
+    _sm90_store_rows(dk_ptr, dk * scale, kv_first, kv_len, HEAD_DIM)
+    _sm90_store_rows(dv_ptr, dv, kv_first, kv_len, HEAD_DIM_V)
+
+
+@gluon.jit
+def _sm90_store_rows(ptr, tile, first, length, width: gl.constexpr):
+    """tile -> rows [first, first + rows) of a [length, width] row-major array, within its bounds."""
+    rows = first + gl.arange(0, tile.shape[0], gl.SliceLayout(1, tile.type.layout))
+    cols = gl.arange(0, tile.shape[1], gl.SliceLayout(0, tile.type.layout))
+    at = gl.expand_dims(rows.to(gl.int64), 1) * width + gl.expand_dims(cols, 0)
+    inside = gl.expand_dims(rows < length, 1) & gl.expand_dims(cols < width, 0)
+    gl.store(ptr + at, tile.to(ptr.dtype.element_ty), mask=inside)
+
+
+@gluon.jit(do_not_specialize=["q_len", "kv_len", "param_window"])
+def _attention_bwd_dkdv_sm90(
+    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
+    num_heads, q_len, kv_len, scale, param_window,
+    GROUP: gl.constexpr, SPLITS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr,
+):
+    """dK and dV of one kv block over the query heads of its group, or one of SPLITS parts of them
+    (then DK and DV are float32 partial sums, one row of heads per part), as _attention_bwd_dkdv."""
+    kv_block = gl.program_id(0)
+    kv_heads = num_heads // GROUP
+    b = gl.program_id(1) // (kv_heads * SPLITS)
+    part = gl.program_id(1) % (kv_heads * SPLITS)
+    h_kv = part // SPLITS
+    kv_first = kv_block * BLOCK_N
+    ROWS: gl.constexpr = BLOCK_N // 2
+    # This program's [kv_len, head_dim] rows of DK and DV (contiguous, allocated by _backward).
+    parts = (b * kv_heads * SPLITS + part).to(gl.int64) * kv_len
+    dk_ptr = DK + parts * HEAD_DIM
+    dv_ptr = DV + parts * HEAD_DIM_V
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_DV], do_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=2)  # released by both consumers
+
+    gl.warp_specialize(
+        [
+            (
+                _sm90_dkdv_consumer,
+                (dk_ptr, dv_ptr, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
+                 b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale, param_window,
+                 0, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V),
+            ),
+            (
+                _sm90_dkdv_consumer,
+                (dk_ptr, dv_ptr, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
+                 b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale, param_window,
+                 1, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V),
+            ),
+            (
+                _sm90_dkdv_loader,
+                (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
+                 b, h_kv, part, kv_block, kv_first, q_len, kv_len, param_window,
+                 GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N),
+            ),
+        ],
+        [4, 1],  # warps: the second consumer, the loader
+        [240, 24],  # registers per thread: the second consumer, the loader
+    )
+
+
+def _tma_ready(t):
+    """t, or a contiguous copy of it: the hardware (TMA) needs a 16-byte aligned base and strides.
+
+    Outputs are allocated contiguous here, and head_dim * itemsize is a multiple of 16 (spec
+    validation), so they are never copied.
     """
     size = t.element_size()
     if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
-        t = t.clone(memory_format=torch.contiguous_format)
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _descriptor(t, rows, width=BLOCK_D):
+    """A tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width] tiles."""
+    t = _tma_ready(t)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width])
+
+
+def _nvmma_descriptor(t, rows, width=BLOCK_D):
+    """The same for the Hopper kernels, whose tiles land in shared memory in wgmma's swizzled layout."""
+    t = _tma_ready(t)
+    block = [1, 1, rows, width]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return NvmmaTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _runs_sm90(q, enabled):
+    """Whether a Hopper kernel serves this call: turned on, and an sm90 GPU."""
+    return enabled and q.device.type == "cuda" and _capability(q.device) == (9, 0)
 
 
 def _forward(q, k, v, scale, params):
@@ -633,7 +1127,17 @@ def _forward(q, k, v, scale, params):
     lse = torch.empty((batch, heads, q_len), device=q.device, dtype=torch.float32)
     if kv_len == 0:  # no key at all: every row is empty (and a descriptor cannot span 0 rows)
         return out.zero_(), lse.fill_(float("-inf"))
-    if out.numel() > 0:
+    # A negative scale takes the Triton forward, which flips q's sign (the Hopper one folds the scale into exp2).
+    if out.numel() > 0 and _runs_sm90(q, SM90_FORWARD) and scale >= 0:
+        rows = SM90_BLOCK_M // 2  # per consumer warpgroup
+        grid = (triton.cdiv(q_len, SM90_BLOCK_M), batch * heads)
+        _attention_fwd_sm90[grid](
+            _nvmma_descriptor(q, rows), _nvmma_descriptor(k, SM90_BLOCK_N), _nvmma_descriptor(v, SM90_BLOCK_N, BLOCK_DV),
+            _nvmma_descriptor(out, rows, BLOCK_DV), lse, heads, q_len, kv_len, scale, *params, GROUP=group,
+            BLOCK_M=SM90_BLOCK_M, BLOCK_N=SM90_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=SM90_NUM_STAGES,
+            num_warps=SM90_NUM_WARPS, maxnreg=SM90_MAX_REGISTERS,
+        )
+    elif out.numel() > 0:
         if kv_len <= SHORT_KV_LEN:
             block_m, block_n, warps, stages = SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_NUM_WARPS, SHORT_NUM_STAGES
         else:
@@ -663,7 +1167,9 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         heads, q_len, kv_len, scale, *params, GROUP=group,
         BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
     )
-    kv_heads, kv_blocks = heads // group, triton.cdiv(kv_len, DKDV_BLOCK_N)
+    hopper = _runs_sm90(q, SM90_BACKWARD)
+    block_m, block_n = (SM90_DKDV_BLOCK_M, SM90_DKDV_BLOCK_N) if hopper else (DKDV_BLOCK_M, DKDV_BLOCK_N)
+    kv_heads, kv_blocks = heads // group, triton.cdiv(kv_len, block_n)
     splits = _group_splits(group, batch * kv_heads * kv_blocks, q.device)
     if splits > 1:  # each part of a group writes float32 partial sums, added up below
         dk_parts = torch.empty((batch, kv_heads * splits, kv_len, HEAD_DIM), device=q.device, dtype=torch.float32)
@@ -671,12 +1177,24 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     else:
         dk_parts, dv_parts = dk, dv
     grid = (kv_blocks, batch * kv_heads * splits)
+    if hopper:
+        _attention_bwd_dkdv_sm90[grid](
+            _nvmma_descriptor(q, block_m), _nvmma_descriptor(k, block_n // 2), _nvmma_descriptor(v, block_n // 2, BLOCK_DV),
+            _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts,
+            heads, q_len, kv_len, scale, *params, GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, STAGES=SM90_DKDV_NUM_STAGES,
+            num_warps=SM90_DKDV_NUM_WARPS, maxnreg=SM90_MAX_REGISTERS,
+        )
+        if splits > 1:
+            dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
+            dv.copy_(dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2))
+        return dq, dk, dv
     _attention_bwd_dkdv[grid](
-        _descriptor(q, DKDV_BLOCK_M), _descriptor(k, DKDV_BLOCK_N), _descriptor(v, DKDV_BLOCK_N, BLOCK_DV),
-        _descriptor(dout, DKDV_BLOCK_M, BLOCK_DV), lse, delta,
-        _descriptor(dk_parts, DKDV_BLOCK_N), _descriptor(dv_parts, DKDV_BLOCK_N, BLOCK_DV),
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV),
+        _descriptor(dout, block_m, BLOCK_DV), lse, delta,
+        _descriptor(dk_parts, block_n), _descriptor(dv_parts, block_n, BLOCK_DV),
         heads, q_len, kv_len, scale, *params, GROUP=group, SPLITS=splits,
-        BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
     )
     if splits > 1:
         dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
@@ -699,6 +1217,12 @@ def _group_splits(group, programs, device):
 
 
 @functools.cache
+def _capability(device):
+    """(major, minor) compute capability of a CUDA device."""
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
 def _sm_count(device):
     """Streaming multiprocessors of a CUDA device; 1 elsewhere (the Triton interpreter on a CPU)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -707,7 +1231,7 @@ def _sm_count(device):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are contiguous whatever the inputs' layout, in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "sliding_window_ec05cdf469df"
+_OP = "sliding_window_1326708df51d"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -738,7 +1262,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = torch.ops.attngen.sliding_window_ec05cdf469df_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.sliding_window_1326708df51d_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -783,7 +1307,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, **params):
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.sliding_window_ec05cdf469df_fwd if torch.compiler.is_compiling() else _Attention.apply
+    run = torch.ops.attngen.sliding_window_1326708df51d_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     return (out, lse) if return_lse else out
 
@@ -838,3 +1362,38 @@ def _check_inputs(q, k, v):
             f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
             " (k and v alike; same batch; kv heads dividing q heads)"
         )
+
+
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
+    """The inputs of attention_with_kvcache: shapes, dtypes, devices and layouts, before any launch."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D torch tensor")
+        if t.dtype != DTYPE:
+            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        if t.shape[-1] != (HEAD_DIM_V if name == "v_cache" else HEAD_DIM):
+            raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {HEAD_DIM_V if name == 'v_cache' else HEAD_DIM}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(t.stride())}")
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
+        raise ValueError(
+            f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+            " (caches alike; kv heads dividing q heads)"
+        )
+    tables = [("cache_seqlens", cache_seqlens, (q.shape[0],))]
+    if block_table is not None:
+        tables.append(("block_table", block_table, (q.shape[0], None)))
+    elif k_cache.shape[0] != q.shape[0]:
+        raise ValueError(f"a contiguous cache holds one sequence per batch entry: k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}")
+    for name, t, shape in tables:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 torch tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if block_table is not None and block_table.stride(-1) != 1:
+        raise ValueError("block_table must have a contiguous last dim")

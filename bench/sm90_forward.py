@@ -1,0 +1,174 @@
+"""The Hopper kernels (Gluon, sm90) against our Triton kernels and the peers, in one run on an H200.
+
+Rows: the grid of bench/speed.py (causal and full, bf16, D = 64 / 128, N = 1k / 4k / 16k at
+B·N = 16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k. Each row times,
+with triton.testing.do_bench (median), the forward and forward + backward of: ours with the Hopper
+kernels ("sm90": the Gluon forward and dK/dV kernel, the Triton dQ kernel), the same module with
+them turned off ("triton": SM90_FORWARD = SM90_BACKWARD = 0, today's Triton kernels), and the
+peers -- SDPA's cuDNN and FlashAttention-2 backends where they express the mask, else compiled
+FlexAttention. Before timing, each of our two forwards is checked against float64 at the row's
+length (one sequence, two heads, fresh inputs), by attngen.exactness's rule with the reference run
+in bf16 as the baseline; the gradients are proven in tests/test_gpu.py.
+
+    python bench/sm90_forward.py [--seqs 1024,4096,16384] [--head-dims 64,128] [--only causal,full]
+                                 [--sm90-everywhere]
+
+Prints a table last; writes results.json to $OUT (or ./bench-out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from speed import CASES, HEADS_TIMES_DIM, TOKENS, Row
+
+from attngen import load
+from attngen.exactness import judge
+from attngen.reference import attention_ref_torch
+from attngen.spec import load_spec, retarget, with_config
+
+ROOT = Path(__file__).resolve().parent.parent
+MASK_ROWS = ("sliding_window", "prefix_lm", "document", "chunked", "alibi_slopes", "relative_bias")
+IMPLS = ("sm90", "triton", "cuDNN", "FA2", "Flex")
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def exact(spec, module, case, row: Row) -> dict:
+    """Max error of our forward against float64 at the row's length with one sequence of two heads
+    (fresh inputs and params), judged with the reference run in bf16 as the baseline."""
+    small = Row(case, row.dtype, row.head_dim, 1, 2, row.seq)
+    device = torch.device("cuda")
+    q, k, v = (torch.randn(1, 2, row.seq, row.head_dim, device=device, dtype=torch.bfloat16) for _ in range(3))
+    params = case.params(small, device)
+    ref, _ = attention_ref_torch(spec, q, k, v, **params)
+    low, _ = attention_ref_torch(spec, q, k, v, dtype=q.dtype, **params)
+    out = module.attention(q, k, v, **params)
+    errors = {"out": (out.double() - ref).abs().max().item()}
+    verdict = judge(
+        spec.dtype, errors, {"out": (low.double() - ref).abs().max().item()}, {"out": ref.abs().max().item()}
+    )
+    return {"errors": errors, "ok": verdict.ok}
+
+
+def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool) -> dict:
+    row = Row(case, "bfloat16", head_dim, TOKENS // seq, HEADS_TIMES_DIM // head_dim, seq)
+    device = torch.device("cuda")
+    spec = retarget(load_spec(ROOT / "specs" / f"{case.spec}.toml"), head_dim, "bfloat16")
+    if sm90_everywhere:  # also where the defaults leave them out (head dims of 64), to measure them there
+        spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1)
+    module = load(spec, "triton_gpu")
+    q, k, v, dout = (
+        torch.randn(row.batch, row.heads, seq, head_dim, device=device, dtype=torch.bfloat16) for _ in range(4)
+    )
+    params = case.params(row, device)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    impls = {}
+
+    # 0 where the spec's config leaves a Hopper kernel out of the module.
+    built = {"SM90_FORWARD": module.SM90_FORWARD, "SM90_BACKWARD": module.SM90_BACKWARD}
+
+    def use(sm90: bool):
+        for switch, value in built.items():
+            setattr(module, switch, value if sm90 else 0)
+
+    def ours(sm90: bool):
+        def run(*qkv):
+            use(sm90)
+            try:
+                return module.attention(*qkv, **params)
+            finally:
+                use(True)
+
+        return run
+
+    checks = {}
+    if any(built.values()):
+        checks["sm90"] = exact(spec, module, case, row)
+        impls["sm90"] = ours(True)
+    use(False)
+    checks["triton"] = exact(spec, module, case, row)
+    use(True)
+    impls["triton"] = ours(False)
+    if case.sdpa:
+        for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("FA2", SDPBackend.FLASH_ATTENTION)):
+
+            def sdpa(*qkv, backend=backend):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=case.sdpa == "causal")
+
+            impls[name] = sdpa
+    else:  # FlexAttention where SDPA cannot express the mask (its compile costs a minute a row)
+        mask_mod = case.mask_mod(params, device) if case.mask_mod else None
+        block_mask = create_block_mask(mask_mod, row.batch, row.heads, seq, seq, device=device) if mask_mod else None
+        score_mod = case.score_mod(params, device) if case.score_mod else None
+        compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        impls["Flex"] = lambda *qkv: compiled(*qkv, score_mod=score_mod, block_mask=block_mask)
+
+    times = {}
+    for name, fn in impls.items():
+        if name in checks and not checks[name]["ok"]:
+            continue  # not exact: not timed
+        times[name] = {
+            "fwd": time_ms(lambda fn=fn: fn(q, k, v)),
+            "fwd_bwd": time_ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout)),
+        }
+    return {"row": row.label, "case": case.name, "head_dim": head_dim, "seq": seq, "checks": checks, "ms": times}
+
+
+def ratio(times: dict, mode: str, peer: str) -> str:
+    ours = times.get("sm90") or times.get("triton")
+    return f"{times[peer][mode] / ours[mode]:.2f}" if ours and peer in times else "–"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", default="1024,4096,16384")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--only", default=None, help="comma-separated case names")
+    parser.add_argument("--sm90-everywhere", action="store_true", help="build the Hopper kernels for every row")
+    args = parser.parse_args()
+    seqs = [int(s) for s in args.seqs.split(",")]
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    chosen = [c for c in CASES if args.only is None or c.name in args.only.split(",")]
+    plan = [(c, d, n) for c in chosen if c.grid for d in head_dims for n in seqs]
+    plan += [(c, max(head_dims), max(seqs)) for c in chosen if c.name in MASK_ROWS]
+    out_dir = Path(os.environ.get("OUT", "bench-out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+    }
+    for i, (case, head_dim, seq) in enumerate(plan):
+        torch._dynamo.reset()
+        results.append(run_row(case, head_dim, seq, args.sm90_everywhere))
+        print(f"[{i + 1}/{len(plan)}] {results[-1]['row']}: {results[-1]['ms']}", flush=True)
+        (out_dir / "results.json").write_text(json.dumps({"environment": env, "rows": results}, indent=1))
+    print(f"\n{env}\nms (median), and ours ÷ peer in speed (>1: ours faster); ours = sm90 where it runs")
+    print(f"{'row':44} {'mode':7} " + " ".join(f"{i:>7}" for i in IMPLS) + "  /triton  /cuDNN    /FA2   /Flex")
+    for r in results:
+        for mode in ("fwd", "fwd_bwd"):
+            cells = " ".join(f"{r['ms'][i][mode]:7.3f}" if i in r["ms"] else f"{'–':>7}" for i in IMPLS)
+            ratios = " ".join(f"{ratio(r['ms'], mode, p):>7}" for p in ("triton", "cuDNN", "FA2", "Flex"))
+            print(f"{r['row']:44} {mode:7} {cells}  {ratios}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The Hopper kernels (Gluon, sm90): the forward and the dK/dV kernel. Triton's interpreter cannot
+run Gluon, so on a CPU they are compiled for sm_90a and their structure read from the PTX;
+tests/test_gpu.py proves them exact on an H200. Their config keys are checked like the others."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attngen.errors import SpecError
+from attngen.spec import load_spec, parse_spec, retarget
+from tests import harness
+
+# Compiles one Hopper kernel of a module in a process of its own (TRITON_INTERPRET must be off when
+# triton is imported) and prints what the PTX holds.
+_INSPECT = """
+import json, re, sys
+from pathlib import Path
+from attngen.backends.triton_gpu import TRITON_GPU
+from attngen.build import import_generated
+from attngen.check.gpu import compile_kernel
+module = import_generated(Path(sys.argv[1]), "_attngen_sm90_structure")
+ptx = compile_kernel(module, TRITON_GPU.kernel(sys.argv[3]), sys.argv[2], 90).asm["ptx"]
+print(json.dumps({
+    "wgmma": ptx.count("wgmma.mma_async"),
+    "waits": sorted(set(re.findall(r"wgmma.wait_group.sync.aligned\\s+(\\d+)", ptx))),
+    "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global"),
+    "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
+    "local": ptx.count("ld.local") + ptx.count("st.local"),
+}))
+"""
+
+
+@pytest.mark.parametrize("kernel", ["fwd_sm90", "bwd_dkdv_sm90"])
+@pytest.mark.parametrize("name", ["causal", "document"])  # closed-form tile bounds; block tables
+def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel):
+    spec = load_spec(f"specs/{name}.toml")
+    module = harness.load_target(spec, "triton_gpu")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", _INSPECT, module.__file__, spec.dtype, kernel],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ptx = json.loads(result.stdout.splitlines()[-1])
+    assert ptx["wgmma"] > 0 and ptx["tma_loads"] > 0  # asynchronous MMA fed by TMA
+    # One product waited for alone while another is in flight: the softmax of the next kv block
+    # under P V (forward), P^T under dP^T (dK/dV).
+    assert ptx["waits"] == ["0", "1"]
+    assert {24, 240} <= set(ptx["registers"])  # registers moved from the loader warp to the consumers
+    assert ptx["local"] == 0  # nothing in local memory at the PTX level
+
+
+def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
+    def enabled(head_dim, dtype):
+        spec = retarget(load_spec("specs/causal.toml"), head_dim, dtype)
+        config, source = spec.config("triton_gpu"), _source(spec)
+        both = config.sm90_forward == config.sm90_backward
+        return both and config.sm90_forward == 1 and "_attention_fwd_sm90" in source and "_bwd_dkdv_sm90" in source
+
+    assert enabled(128, "bfloat16") and enabled(128, "float16") and enabled(256, "bfloat16")
+    assert not enabled(64, "bfloat16")  # a tie with the Triton forward at best (BENCHMARKS.md)
+    assert not enabled(128, "float32")  # wgmma takes no float32 inputs
+
+
+def _source(spec) -> str:
+    from attngen.backends.triton_gpu import TRITON_GPU
+    from attngen.build import target_source
+
+    return target_source(spec, TRITON_GPU)
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ("sm90_block_m = 64", "sm90_block_m must be 128"),
+        ("sm90_num_warps = 8", "sm90_num_warps must be 4"),
+        ("sm90_forward = 2", "sm90_forward must be 0 or 1"),
+        ("sm90_dkdv_block_n = 64", "sm90_dkdv_block_n must be 128"),
+    ],
+)
+def test_hopper_forward_keys_are_checked(table, problem):
+    text = f'name = "s"\nhead_dim = 128\ndtype = "bfloat16"\n[triton]\n{table}\n'
+    with pytest.raises(SpecError, match=problem):
+        parse_spec(text, "s.toml")
+
+
+@pytest.mark.parametrize("key", ["sm90_forward", "sm90_backward"])
+def test_a_float32_spec_cannot_ask_for_the_hopper_kernels(key):
+    text = f'name = "s"\nhead_dim = 128\ndtype = "float32"\n[triton]\n{key} = 1\n'
+    with pytest.raises(SpecError, match="wgmma takes no float32 inputs"):
+        parse_spec(text, "s.toml")
