@@ -31,6 +31,10 @@ TARGET_GROUPS = {
     "gpu": tuple(t for t in DEFAULT_TARGET_NAMES if t in GPU_TARGET_NAMES),
     "tpu": tuple(t for t in DEFAULT_TARGET_NAMES if t in TPU_TARGET_NAMES),
 }
+# sm80 compiles the same Triton templates as sm90, less the Hopper kernels: within CI's time, these
+# specs keep it checked (closed-form bounds, block tables, a tensor param read per position, a
+# score, head dims 192 / 128).
+SM80_SPECS = {"causal", "document", "bias", "softcap", "value_dim"}
 
 
 @pytest.mark.parametrize("group", sorted(TARGET_GROUPS))
@@ -38,8 +42,11 @@ TARGET_GROUPS = {
 def test_specs_compile_for_every_target(spec_file, group):
     assert {*TARGET_GROUPS["gpu"], *TARGET_GROUPS["tpu"]} == set(DEFAULT_TARGET_NAMES)  # the groups cover them
     spec = load_spec(spec_file)
-    findings = check_spec(spec, TARGET_GROUPS[group])
-    assert {f.target for f in findings} == set(TARGET_GROUPS[group])
+    targets = TARGET_GROUPS[group]
+    if group == "gpu" and spec.name not in SM80_SPECS:
+        targets = tuple(t for t in targets if t != "sm80")
+    findings = check_spec(spec, targets)
+    assert {f.target for f in findings} == set(targets)
     if group == "gpu":
         config = spec.config("triton_gpu")
         kernels = {k.name for k in TRITON_GPU.kernels if k.enabled_by is None or getattr(config, k.enabled_by)}
@@ -55,7 +62,8 @@ def test_specs_compile_for_every_target(spec_file, group):
 @settings(max_examples=3)
 @given(drawn=specs(dtypes=("bfloat16", "float32"), head_dims=(64, 128)))
 def test_drawn_specs_compile(drawn):
-    failures = [f.line() for f in check_spec(harness.spec_from_text(drawn.text)) if not f.ok]
+    # One GPU and one TPU: the drawn expressions are what varies here (specs/ covers every target).
+    failures = [f.line() for f in check_spec(harness.spec_from_text(drawn.text), ("sm90", "tpu-v5e")) if not f.ok]
     assert not failures, failures
 
 
@@ -147,7 +155,7 @@ def test_scoped_vmem_overflow_is_one_clear_line():
         parse_spec('name = "big"\nhead_dim = 128\n[pallas_tpu]\nblock_q = 2048\nblock_kv = 4096\n', "big.toml")
     spec = load_spec("specs/causal.toml")
     spec = with_config(spec, "pallas_tpu", block_q=2048, block_kv=4096)
-    fwd, *_ = check_spec(spec, ("tpu-v5e",))
+    fwd = next(iter_check(spec, ("tpu-v5e",)))  # the forward's finding comes first: the rest is not compiled
     assert not fwd.ok and fwd.line().startswith("FAIL tpu-v5e fwd (block_q=2048 block_kv=4096): scoped VMEM")
     assert "limit 16.00MB" in fwd.problem and "estimate 43.0 MiB" in fwd.problem
 
