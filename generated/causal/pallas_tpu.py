@@ -561,7 +561,7 @@ def _attention_bwd(interpret, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, **params):
+def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, layout="bhsd", **params):
     """Attention of spec `causal` (mask: q_idx >= kv_idx).
 
     Args:
@@ -572,11 +572,14 @@ def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, **param
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, q_len] float32.
         interpret: passed to pallas_call: True, or pltpu.InterpretParams(...) to run on CPU.
+        layout: "bhsd" (the shapes above) or "bshd", FlashAttention's [batch, seq, heads, head_dim] for q, k, v
+            and out (transposed copies); lse stays [batch, heads, q_len].
 
     Returns:
         out, [batch, heads, q_len, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
         Differentiable in q, k and v (and through lse); params and scale get no gradient.
     """
+    q, k, v = _as_bhsd(layout, q, k, v)
     _check_inputs(q, k, v)
     prefetch, scalar_values, tensors = _prefetched(params, scale)
     if q.size == 0 or k.shape[2] == 0:
@@ -585,6 +588,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, **param
     else:
         gathered = ()
         out, lse = _attention(q, k, v, prefetch, gathered, interpret)
+    (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
 
 
@@ -637,6 +641,17 @@ def _check_params(params):
             raise ValueError(f"param {name} must fit in int32, got {value}")
         scalars[name] = kind(value)
     return scalars, {}
+
+
+def _as_bhsd(layout, *arrays):
+    """The arrays, given in `layout`, as [batch, heads, seq, head_dim] ("bshd": FlashAttention's
+    [batch, seq, heads, head_dim]). Swapping the two axes is its own inverse: it also takes an
+    output back to the caller's layout. Copies (XLA fuses them into the producer under jit): Pallas blocks take the sequence as their second-minor axis."""
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if layout == "bhsd":
+        return arrays
+    return tuple(jnp.swapaxes(t, 1, 2) if getattr(t, "ndim", None) == 4 else t for t in arrays)
 
 
 def _check_inputs(q, k, v):

@@ -1118,11 +1118,21 @@ def _runs_sm90(q, enabled):
     return enabled and q.device.type == "cuda" and _capability(q.device) == (9, 0)
 
 
+def _output_like(q):
+    """The output, [batch, heads, q_len, HEAD_DIM_V], in q's memory order: with the heads inside the
+    positions (FlashAttention's layout, q a transposed view) the caller's view of it back in that
+    layout is contiguous."""
+    batch, heads, q_len, _ = q.shape
+    if heads > 1 and q_len > 1 and q.stride(1) < q.stride(2):
+        return q.new_empty((batch, q_len, heads, HEAD_DIM_V)).transpose(1, 2)
+    return q.new_empty((batch, heads, q_len, HEAD_DIM_V))
+
+
 def _forward(q, k, v, scale, params):
     """(out, lse) for q [B, H, Lq, D], k, v [B, H_kv, Lk, D]; lse float32 [B, H, Lq]."""
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
-    out = q.new_empty((batch, heads, q_len, HEAD_DIM_V))
+    out = _output_like(q)
     lse = torch.empty((batch, heads, q_len), device=q.device, dtype=torch.float32)
     if kv_len == 0:  # no key at all: every row is empty (and a descriptor cannot span 0 rows)
         return out.zero_(), lse.fill_(float("-inf"))
@@ -1228,7 +1238,7 @@ def _sm_count(device):
 
 
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
-# Outputs are contiguous whatever the inputs' layout, in the fake implementations too.
+# Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
 _OP = "value_dim_16f890ed4e8a"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
@@ -1239,7 +1249,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @_fwd_op.register_fake
     def _fwd_fake(q, k, v, scale):
-        return q.new_empty((*q.shape[:3], HEAD_DIM_V)), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return _output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.custom_op(f"attngen::{_OP}_bwd", mutates_args=())
     def _bwd_op(
@@ -1285,7 +1295,7 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
 
-def attention(q, k, v, *, scale=None, return_lse=False, **params):
+def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params):
     """Attention of spec `value_dim` (mask: q_idx >= kv_idx).
 
     Args:
@@ -1295,11 +1305,15 @@ def attention(q, k, v, *, scale=None, return_lse=False, **params):
         v: [batch, kv_heads, kv_len, 128], same dtype and device.
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, q_len] float32.
+        layout: "bhsd" (the shapes above) or "bshd", FlashAttention's [batch, seq, heads, head_dim] for q, k, v
+            and out (read and written in place: any strides the hardware takes,
+            e.g. q, k, v sliced from one fused projection, are not copied); lse stays [batch, heads, q_len].
 
     Returns:
         out, [batch, heads, q_len, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
         Differentiable in q, k and v (and through lse); params and scale get no gradient.
     """
+    q, k, v = _as_bhsd(layout, q, k, v)
     _check_inputs(q, k, v)
     scalars, tensors = _check_params(params)
     if scale is None:
@@ -1307,6 +1321,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, **params):
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
     run = torch.ops.attngen.value_dim_16f890ed4e8a_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
+    (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
 
 
@@ -1342,6 +1357,17 @@ def _check_params(params):
             raise ValueError(f"param {name} must fit in int32, got {value}")
         scalars[name] = kind(value)
     return scalars, {}
+
+
+def _as_bhsd(layout, *arrays):
+    """The arrays, given in `layout`, as [batch, heads, seq, head_dim] ("bshd": FlashAttention's
+    [batch, seq, heads, head_dim]). Swapping the two axes is its own inverse: it also takes an
+    output back to the caller's layout. Views: the kernels read the strides, nothing is copied."""
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if layout == "bhsd":
+        return arrays
+    return tuple(t.transpose(1, 2) if getattr(t, "ndim", None) == 4 else t for t in arrays)
 
 
 def _check_inputs(q, k, v):

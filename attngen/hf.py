@@ -1,0 +1,77 @@
+"""Hugging Face transformers: a generated Triton module as a model's attention implementation.
+
+    import attngen, attngen.hf
+    causal = attngen.load("specs/causal.toml")            # the spec's mask is the model's mask
+    attngen.hf.register("attngen_causal", causal)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="attngen_causal")
+
+transformers calls the registered function with q, k, v as [batch, heads, seq, head_dim] views of
+its [batch, seq, heads, head_dim] projections; the kernels read them in place, take grouped kv
+heads as they are (no repeat_kv), and write the output in the [batch, seq, heads, head_dim] order
+the model reshapes next: no copies. The spec owns the mask: register a causal spec for a decoder,
+a sliding-window spec (param `window`) for sliding-window layers, a soft-capping spec (param
+`softcap`) for Gemma-style logits. What the kernels cannot honour is refused with a clear error,
+never ignored: dropout, a padding mask, and queries shorter than the keys (generation from a
+cache: use the module's `attention_with_kvcache`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# transformers' keyword arguments that carry a spec param, per layer: (their name, the param's).
+_PER_LAYER_PARAMS = (("sliding_window", "window"), ("softcap", "softcap"))
+
+
+def attention_function(module, params: dict[str, Any] | None = None) -> Callable:
+    """The function transformers' AttentionInterface calls, running `module.attention`.
+
+    Args:
+        module: A generated triton_gpu module (attngen.load or `attngen build`).
+        params: The spec's runtime params for every layer; a layer's own `sliding_window` or
+            `softcap` (as transformers passes them) sets the spec's `window` or `softcap` param.
+    """
+    fixed = dict(params or {})
+    spec_params = {*module.PARAMS, *getattr(module, "TENSOR_PARAMS", {})}
+
+    def attngen_attention(hf_module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if dropout:
+            raise ValueError(f"attngen kernels have no attention dropout (got p={dropout}): set the model's to 0")
+        if attention_mask is not None:
+            raise ValueError(
+                "attngen kernels take no padding mask: the spec is the mask. Pass unpadded batches"
+                " (or pack sequences with a varlen spec)."
+            )
+        if query.shape[2] != key.shape[2]:
+            raise ValueError(
+                f"{query.shape[2]} queries against {key.shape[2]} keys (generation from a cache): the spec's"
+                " positions start at 0 for both; use the module's attention_with_kvcache"
+            )
+        layer = dict(fixed)
+        for hf_name, param in _PER_LAYER_PARAMS:
+            value_of_layer = kwargs.get(hf_name)
+            if value_of_layer is None:
+                continue
+            if param not in spec_params:
+                raise ValueError(f"the model passes {hf_name}={value_of_layer}, and the spec has no `{param}` param")
+            layer[param] = value_of_layer
+        out = module.attention(query, key, value, scale=scaling, **layer)
+        # [batch, seq, heads, head_dim]: contiguous, as the kernels wrote it in the projections' order.
+        return out.transpose(1, 2), None
+
+    return attngen_attention
+
+
+def register(name: str, module, params: dict[str, Any] | None = None) -> str:
+    """Register `module` as transformers attention `name`; returns `name` for `attn_implementation`.
+
+    The mask function registered with it is transformers' own for FlashAttention-2: no mask at all
+    without padding, so models with padded batches reach the attention function's refusal.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import flash_attention_mask
+
+    AttentionInterface.register(name, attention_function(module, params))
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name

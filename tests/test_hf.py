@@ -1,0 +1,83 @@
+"""attngen.hf: generated kernels inside Hugging Face transformers models (Triton interpreter). A
+GPT-2 and a Llama-style model (grouped kv heads, RoPE), random weights from a small config: the loss
+and every parameter's gradient agree with transformers' eager attention; what the kernels cannot
+honour (dropout, padding, generation from a cache) is refused."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import attngen.hf
+from tests import harness
+from tests.strategies import spec_toml
+
+
+def _causal(head_dim: int):
+    return harness.load_target(
+        harness.spec_from_text(spec_toml("kv_idx <= q_idx", head_dim=head_dim, extra=('dtype = "float32"',))),
+        "triton_gpu",
+    )
+
+
+def _models(make, config, name):
+    """The same random weights under eager attention and under the registered attngen attention."""
+    torch.manual_seed(0)
+    eager = make(config).eval()
+    ours = make(config)
+    ours.load_state_dict(eager.state_dict())
+    ours.set_attn_implementation(name)
+    return eager, ours.eval()
+
+
+def _loss_and_grads(model, tokens):
+    loss = model(input_ids=tokens, labels=tokens).loss
+    grads = torch.autograd.grad(loss, [p for p in model.parameters()])
+    return loss.detach(), grads
+
+
+CONFIGS = {
+    "gpt2": (GPT2LMHeadModel, GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=97, n_positions=64,
+                                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), 32),
+    "llama": (LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            hidden_size=64, intermediate_size=128, vocab_size=97,
+                                            max_position_embeddings=64), 16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_name", sorted(CONFIGS))
+def test_a_model_trains_through_the_registered_kernels(model_name):
+    make, config, head_dim = CONFIGS[model_name]
+    name = attngen.hf.register(f"attngen_test_{model_name}", _causal(head_dim))
+    eager, ours = _models(make, config, name)
+    tokens = torch.randint(0, config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(1))
+    loss, grads = _loss_and_grads(ours, tokens)
+    ref_loss, ref_grads = _loss_and_grads(eager, tokens)
+    assert abs(loss.item() - ref_loss.item()) < 1e-5
+    for (param_name, _), grad, ref in zip(ours.named_parameters(), grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref, atol=2e-5, rtol=1e-4, msg=param_name)
+
+
+def test_what_the_kernels_cannot_honour_is_refused():
+    make, config, head_dim = CONFIGS["gpt2"]
+    name = attngen.hf.register("attngen_test_refusals", _causal(head_dim))
+    _, ours = _models(make, config, name)
+    tokens = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    padding = torch.ones_like(tokens)
+    padding[0, :3] = 0
+    with pytest.raises(ValueError, match="no padding mask"):
+        ours(input_ids=tokens, attention_mask=padding)
+    with pytest.raises(ValueError, match="generation from a cache"):
+        ours.generate(tokens[:1], max_new_tokens=2, do_sample=False)
+    ours.train()  # GPT-2 passes its attn_pdrop in training
+    ours.config.attn_pdrop = 0.1
+    for block in ours.transformer.h:
+        block.attn.attn_dropout.p = 0.1
+    with pytest.raises(ValueError, match="no attention dropout"):
+        ours(input_ids=tokens)
+
+
+def test_a_layers_sliding_window_needs_a_window_param():
+    attention = attngen.hf.attention_function(_causal(32))
+    q = torch.randn(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="sliding_window=4, and the spec has no `window` param"):
+        attention(None, q, q, q, None, sliding_window=4)

@@ -1,0 +1,83 @@
+"""FlashAttention's layout, [batch, seq, heads, head_dim], on both targets: `layout="bshd"` gives
+the same attention and gradients as the default layout, against the float64 reference. On the
+Triton target q, k and v are read in place, even sliced from one fused QKV projection, and the
+output is written in the caller's layout (no copies)."""
+
+import numpy as np
+import pytest
+
+from attngen.reference import attention_ref
+from tests import harness
+from tests.strategies import spec_toml
+
+SPEC = spec_toml("kv_idx <= q_idx + 3", "score - 0.1 * abs(q_idx - kv_idx)", head_dim=32, extra=('dtype = "float32"',))
+BATCH, SEQ, HEADS, KV_HEADS, DIM = 2, 37, 4, 2, 32
+
+
+def _qkv_bshd(seed: int):
+    """q [B, S, H, D]; k, v [B, S, H_kv, D], as slices of one fused projection [B, S, H + 2 H_kv, D]."""
+    fused = np.random.default_rng(seed).standard_normal((BATCH, SEQ, HEADS + 2 * KV_HEADS, DIM)).astype(np.float32)
+    return fused, (slice(0, HEADS), slice(HEADS, HEADS + KV_HEADS), slice(HEADS + KV_HEADS, None))
+
+
+def test_triton_reads_and_writes_flashattentions_layout_in_place():
+    import torch
+
+    spec = harness.spec_from_text(SPEC)
+    module = harness.load_target(spec, "triton_gpu")
+    fused, parts = _qkv_bshd(seed=1)
+    fused = torch.from_numpy(fused).requires_grad_()
+    q, k, v = (fused[:, :, part] for part in parts)  # strided views of the projection
+    out, lse = module.attention(q, k, v, layout="bshd", return_lse=True)
+    assert out.shape == (BATCH, SEQ, HEADS, DIM) and out.is_contiguous()  # written in the caller's layout
+    assert lse.shape == (BATCH, HEADS, SEQ)
+    as_bhsd = [t.detach().transpose(1, 2).numpy() for t in (q, k, v)]
+    ref_out, ref_lse = attention_ref(spec, *as_bhsd)
+    np.testing.assert_allclose(out.detach().transpose(1, 2).numpy(), ref_out, atol=2e-5)
+    np.testing.assert_allclose(lse.detach().numpy(), ref_lse, atol=2e-5)
+
+    # Gradients reach the fused projection through the views, as the default layout's do.
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    (grad,) = torch.autograd.grad(out, fused, dout)
+    same = torch.from_numpy(fused.detach().numpy()).requires_grad_()
+    bhsd = [same[:, :, part].transpose(1, 2) for part in parts]
+    (expected,) = torch.autograd.grad(module.attention(*bhsd), same, dout.transpose(1, 2))
+    np.testing.assert_allclose(grad.numpy(), expected.numpy(), atol=2e-5)
+
+
+def test_triton_reads_a_strided_view_without_copying_it():
+    import torch
+
+    module = harness.load_target(harness.spec_from_text(SPEC), "triton_gpu")
+    fused, parts = _qkv_bshd(seed=3)
+    q = torch.from_numpy(fused)[:, :, parts[0]].transpose(1, 2)
+    assert module._tma_ready(q) is q  # 16-byte aligned strides: the descriptor reads it as it is
+    assert module._output_like(q).transpose(1, 2).is_contiguous()
+
+
+def test_pallas_takes_flashattentions_layout():
+    import jax
+    import jax.numpy as jnp
+
+    spec = harness.spec_from_text(SPEC)
+    module = harness.load_target(spec, "pallas_tpu")
+    fused, parts = _qkv_bshd(seed=4)
+    q, k, v = (jnp.asarray(fused[:, :, part]) for part in parts)
+    out, lse = module.attention(q, k, v, layout="bshd", return_lse=True, interpret=True)
+    assert out.shape == (BATCH, SEQ, HEADS, DIM) and lse.shape == (BATCH, HEADS, SEQ)
+    ref_out, ref_lse = attention_ref(spec, *(np.swapaxes(np.asarray(t), 1, 2) for t in (q, k, v)))
+    np.testing.assert_allclose(np.swapaxes(np.asarray(out), 1, 2), ref_out, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-5)
+    dq = jax.grad(lambda q: module.attention(q, k, v, layout="bshd", interpret=True).sum())(q)
+    dq_bhsd = jax.grad(lambda q: module.attention(q, *(jnp.swapaxes(t, 1, 2) for t in (k, v)), interpret=True).sum())(
+        jnp.swapaxes(q, 1, 2)
+    )
+    np.testing.assert_allclose(np.asarray(dq), np.swapaxes(np.asarray(dq_bhsd), 1, 2), atol=2e-5)
+
+
+@pytest.mark.parametrize("target", harness.TARGETS)
+def test_an_unknown_layout_is_refused(target):
+    module = harness.load_target(harness.spec_from_text(SPEC), "triton_gpu" if target == "triton" else "pallas_tpu")
+    q = np.zeros((1, 1, 4, DIM), np.float32)  # refused before any array is read
+    with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd', got 'sbhd'"):
+        module.attention(q, q, q, layout="sbhd")
