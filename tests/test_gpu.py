@@ -40,6 +40,21 @@ def _out_and_grads(fn, q, k, v, dout):
     return out.detach(), lse.detach(), torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
 
+def _assert_exact(spec, params, inputs, out, lse, grads):
+    """Our forward and gradients against float64, by the FlashAttention rule (the reference run in
+    the inputs' dtype as the baseline); returns the float64 output and gradients."""
+    q, k, v, dout = inputs
+    ref_out, ref_lse, ref_grads = _out_and_grads(
+        lambda *x: attention_ref_torch(spec, *x, dtype=torch.float64, **params), q, k, v, dout
+    )
+    base_out, _, base_grads = _out_and_grads(
+        lambda *x: attention_ref_torch(spec, *x, dtype=q.dtype, **params), q, k, v, dout
+    )
+    assert_forward(spec.dtype, out, lse, ref_out, ref_lse, base_out)
+    assert_grads(spec.dtype, grads, ref_grads, base_grads)
+    return ref_out, ref_grads
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", SPECS)
 def test_specs_exact_on_the_gpu(name, dtype):
@@ -49,14 +64,7 @@ def test_specs_exact_on_the_gpu(name, dtype):
     q, k, v, dout = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
     params = _params(name, batch, heads, q_len, kv_len, seed=1)
     out, lse, grads = _out_and_grads(lambda *x: module.attention(*x, return_lse=True, **params), q, k, v, dout)
-    ref_out, ref_lse, ref_grads = _out_and_grads(
-        lambda *x: attention_ref_torch(spec, *x, dtype=torch.float64, **params), q, k, v, dout
-    )
-    base_out, _, base_grads = _out_and_grads(
-        lambda *x: attention_ref_torch(spec, *x, dtype=q.dtype, **params), q, k, v, dout
-    )
-    assert_forward(dtype, out, lse, ref_out, ref_lse, base_out)
-    assert_grads(dtype, grads, ref_grads, base_grads)
+    _assert_exact(spec, params, (q, k, v, dout), out, lse, grads)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -78,14 +86,7 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
         return module.attention(*x, return_lse=True, **params)
 
     out, lse, grads = _out_and_grads(run, q, k, v, dout)
-    ref_out, ref_lse, ref_grads = _out_and_grads(
-        lambda *x: attention_ref_torch(spec, *x, dtype=torch.float64, **params), q, k, v, dout
-    )
-    base_out, _, base_grads = _out_and_grads(
-        lambda *x: attention_ref_torch(spec, *x, dtype=q.dtype, **params), q, k, v, dout
-    )
-    assert_forward(dtype, out, lse, ref_out, ref_lse, base_out)
-    assert_grads(dtype, grads, ref_grads, base_grads)
+    ref_out, ref_grads = _assert_exact(spec, params, (q, k, v, dout), out, lse, grads)
     module.SM90_FORWARD = module.SM90_BACKWARD = 0  # the Triton kernels, for comparison
     try:
         triton_out, _, triton_grads = _out_and_grads(run, q, k, v, dout)
