@@ -12,7 +12,8 @@ the model reshapes next: no copies. The spec owns the mask: register a causal sp
 a sliding-window spec (param `window`) for sliding-window layers, a soft-capping spec (param
 `softcap`) for Gemma-style logits. What the kernels cannot honour is refused with a clear error,
 never ignored: dropout, a padding mask, and queries shorter than the keys (generation from a
-cache: use the module's `attention_with_kvcache`).
+cache: use the module's `attention_with_kvcache`). Under autocast, q, k and v are cast to its
+dtype first, as SDPA does (it must be the spec's).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
         params: The spec's runtime params for every layer; a layer's own `sliding_window` or
             `softcap` (as transformers passes them) sets the spec's `window` or `softcap` param.
     """
+    import torch
+
     fixed = dict(params or {})
     spec_params = {*module.PARAMS, *getattr(module, "TENSOR_PARAMS", {})}
 
@@ -48,6 +51,9 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
                 f"{query.shape[2]} queries against {key.shape[2]} keys (generation from a cache): the spec's"
                 " positions start at 0 for both; use the module's attention_with_kvcache"
             )
+        device = query.device.type
+        if torch.is_autocast_enabled(device):  # as SDPA does: RoPE leaves Llama's q and k in float32
+            query, key, value = (x.to(torch.get_autocast_dtype(device)) for x in (query, key, value))
         layer = dict(fixed)
         for hf_name, param in _PER_LAYER_PARAMS:
             value_of_layer = kwargs.get(hf_name)

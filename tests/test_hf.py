@@ -3,6 +3,8 @@ GPT-2 and a Llama-style model (grouped kv heads, RoPE), random weights from a sm
 and every parameter's gradient agree with transformers' eager attention; what the kernels cannot
 honour (dropout, padding, generation from a cache) is refused."""
 
+import copy
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -12,20 +14,23 @@ from tests import harness
 from tests.strategies import spec_toml
 
 
-def _causal(head_dim: int):
+def _causal(head_dim: int, dtype: str = "float32"):
     return harness.load_target(
-        harness.spec_from_text(spec_toml("kv_idx <= q_idx", head_dim=head_dim, extra=('dtype = "float32"',))),
+        harness.spec_from_text(spec_toml("kv_idx <= q_idx", head_dim=head_dim, extra=(f'dtype = "{dtype}"',))),
         "triton_gpu",
     )
 
 
 def _models(make, config, name):
-    """The same random weights under eager attention and under the registered attngen attention."""
+    """The same random weights under eager attention and under the registered attngen attention.
+    Each model gets its own config: set_attn_implementation writes to the config object."""
     torch.manual_seed(0)
-    eager = make(config).eval()
-    ours = make(config)
+    eager = make(copy.deepcopy(config)).eval()
+    eager.set_attn_implementation("eager")
+    ours = make(copy.deepcopy(config))
     ours.load_state_dict(eager.state_dict())
     ours.set_attn_implementation(name)
+    assert eager.config._attn_implementation == "eager" and ours.config._attn_implementation == name
     return eager, ours.eval()
 
 
@@ -37,10 +42,10 @@ def _loss_and_grads(model, tokens):
 
 CONFIGS = {
     "gpt2": (GPT2LMHeadModel, GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=97, n_positions=64,
-                                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), 32),
+                                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, initializer_range=0.3), 32),
     "llama": (LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             hidden_size=64, intermediate_size=128, vocab_size=97,
-                                            max_position_embeddings=64), 16),
+                                            max_position_embeddings=64, initializer_range=0.3), 16),
 }  # fmt: skip
 
 
@@ -55,6 +60,18 @@ def test_a_model_trains_through_the_registered_kernels(model_name):
     assert abs(loss.item() - ref_loss.item()) < 1e-5
     for (param_name, _), grad, ref in zip(ours.named_parameters(), grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref, atol=2e-5, rtol=1e-4, msg=param_name)
+
+
+def test_under_autocast_a_bfloat16_spec_serves_as_sdpa_would():
+    """Llama's RoPE leaves q and k in float32 under bf16 autocast; they are cast, as SDPA casts them."""
+    make, config, head_dim = CONFIGS["llama"]
+    name = attngen.hf.register("attngen_test_autocast", _causal(head_dim, "bfloat16"))
+    eager, ours = _models(make, config, name)
+    tokens = torch.randint(0, config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ours(input_ids=tokens, labels=tokens).loss.item()
+    exact = eager(input_ids=tokens, labels=tokens).loss.item()
+    assert abs(loss - exact) <= 2**-8 * abs(exact)  # one bf16 rounding of the loss
 
 
 def test_what_the_kernels_cannot_honour_is_refused():

@@ -1,0 +1,190 @@
+"""Whole models through transformers' attention registry: attngen against SDPA and eager, on a GPU.
+
+Two models from configs, random weights (nothing is downloaded): GPT-2 small (12 layers, 12 heads
+of 64, 1k tokens) and a Llama-style model (grouped kv heads 16/4 of 128, RoPE, 2k tokens). Each
+trains with bf16 autocast over float32 weights and AdamW, under three attention implementations:
+attngen (`attngen.hf.register` with specs/causal.toml at the model's head dim), transformers'
+"sdpa" and "eager".
+
+  1. Agreement: from the same weights and batch, the loss and the gradient of every weight under
+     each implementation against float32 eager (no autocast, TF32 off). attngen passes when its
+     errors are at most twice the larger of SDPA's and eager's (the bf16 noise of the peers; for
+     the loss, a single number, at least half a bf16 ulp of it).
+  2. Speed and memory: `--steps` optimizer steps after three warm-up steps, per implementation;
+     tokens/s and peak allocated memory over those steps.
+
+    python bench/models.py [--only gpt2-small,llama-style] [--steps 10]
+
+Prints a table last; writes results.json to $OUT (or ./bench-out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+import triton
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import attngen.hf
+from attngen import load
+from attngen.spec import load_spec, retarget
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPLS = ("attngen", "sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    make: type
+    config: object
+    head_dim: int
+    batch: int
+    seq: int
+
+
+MODELS = (
+    Model("gpt2-small", GPT2LMHeadModel,
+          GPT2Config(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257,
+                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+          head_dim=64, batch=8, seq=1024),
+    Model("llama-style", LlamaForCausalLM,
+          LlamaConfig(num_hidden_layers=8, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                      intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096),
+          head_dim=128, batch=4, seq=2048),
+)  # fmt: skip
+
+
+def models(model: Model, impls, state=None):
+    """One model per implementation, all with the same random weights."""
+    torch.manual_seed(0)
+    first = model.make(copy.deepcopy(model.config))
+    state = state or first.state_dict()
+    for impl in impls:
+        m = model.make(copy.deepcopy(model.config))  # set_attn_implementation writes to the config
+        m.load_state_dict(state)
+        m.set_attn_implementation(impl)
+        yield m.cuda().train()
+
+
+def loss_and_grads(m, tokens, autocast: bool):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = m(input_ids=tokens, labels=tokens).loss
+    grads = torch.autograd.grad(loss, list(m.parameters()))
+    return loss.item(), [g.float() for g in grads]
+
+
+def agreement(model: Model, names: dict, tokens) -> dict:
+    """Loss error and the gradients' relative error (all weights as one vector) against float32."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    (reference,) = models(model, ["eager"])
+    ref_loss, ref_grads = loss_and_grads(reference, tokens, autocast=False)
+    del reference
+    ref_norm = torch.stack([g.norm() ** 2 for g in ref_grads]).sum().sqrt().item()
+    errors = {}
+    for impl, m in zip(IMPLS, models(model, [names[i] for i in IMPLS]), strict=True):
+        loss, grads = loss_and_grads(m, tokens, autocast=True)
+        diff = torch.stack([(g - r).norm() ** 2 for g, r in zip(grads, ref_grads, strict=True)]).sum().sqrt().item()
+        errors[impl] = {"loss": abs(loss - ref_loss), "grads": diff / ref_norm}
+        del m, grads
+        torch.cuda.empty_cache()
+    noise = {key: max(errors[peer][key] for peer in ("sdpa", "eager")) for key in ("loss", "grads")}
+    noise["loss"] = max(noise["loss"], 2**-9 * abs(ref_loss))  # one loss is one sample: at least half a bf16 ulp
+    ok = all(errors["attngen"][key] <= 2 * noise[key] for key in noise)
+    return {"reference_loss": ref_loss, "errors": errors, "ok": ok}
+
+
+def training(model: Model, impl: str, tokens, steps: int) -> dict:
+    """Tokens/s and peak memory of `steps` AdamW steps after three warm-up steps."""
+    (m,) = models(model, [impl])
+    optimizer = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    result = {
+        "tokens_per_s": steps * tokens.numel() / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "last_loss": loss.item(),
+    }
+    return result
+
+
+def run_model(model: Model, steps: int) -> dict:
+    spec = retarget(load_spec(ROOT / "specs" / "causal.toml"), model.head_dim, "bfloat16")
+    names = {
+        "attngen": attngen.hf.register("attngen_causal", load(spec, "triton_gpu")),
+        "sdpa": "sdpa",
+        "eager": "eager",
+    }
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (model.batch, model.seq), generator=generator).cuda()
+    result = {"model": model.name, "batch": model.batch, "seq": model.seq, "agreement": agreement(model, names, tokens)}
+    result["training"] = {}
+    for impl in IMPLS:
+        result["training"][impl] = training(model, names[impl], tokens, steps)
+        torch.cuda.empty_cache()  # the model and optimizer of `training` are gone: measure the next alone
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=None, help="comma-separated model names")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    chosen = [m for m in MODELS if args.only is None or m.name in args.only.split(",")]
+    out_dir = Path(os.environ.get("OUT", "bench-out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+    }
+    results = []
+    for model in chosen:
+        results.append(run_model(model, args.steps))
+        print(f"{model.name}: {results[-1]}", flush=True)
+        (out_dir / "results.json").write_text(json.dumps({"environment": env, "models": results}, indent=1))
+    print(f"\n{env}\nerrors against float32 eager (loss: absolute; grads: relative norm); training: bf16 autocast")
+    header = f"{'model':12} {'impl':8} {'loss err':>9} {'grad err':>9} {'tokens/s':>9} {'peak GiB':>9} {'/sdpa':>6} {'/eager':>7}"
+    print(header)
+    for r in results:
+        train = r["training"]
+        for impl in IMPLS:
+            e, t = r["agreement"]["errors"][impl], train[impl]
+            speed = [t["tokens_per_s"] / train[peer]["tokens_per_s"] for peer in ("sdpa", "eager")]
+            print(
+                f"{r['model']:12} {impl:8} {e['loss']:9.2e} {e['grads']:9.2e} {t['tokens_per_s']:9.0f}"
+                f" {t['peak_gib']:9.2f} {speed[0]:6.2f} {speed[1]:7.2f}"
+            )
+        print(f"{r['model']:12} attngen within twice the peers' error: {r['agreement']['ok']}")
+
+
+if __name__ == "__main__":
+    main()
