@@ -1,5 +1,5 @@
-"""Numerics at the edges, on both targets: empty and one-element shapes, logits of +-1e4, and
-non-finite inputs.
+"""Numerics at the edges, on both targets: empty and one-element shapes, logits of +-1e4 and
+beyond FLT_MAX / log2(e), and non-finite inputs.
 
 The contract for inputs holding NaN or +-inf (README, Semantics): non-finite q or k make
 non-finite exactly the rows the float64 reference cannot compute, and leave the others exact
@@ -15,7 +15,7 @@ import pytest
 from attngen import exactness
 from attngen.reference import attention_ref
 from tests import harness
-from tests.strategies import spec_toml
+from tests.strategies import FLOAT_PARAM, spec_toml
 
 SMALL_TILES = "[triton]\nblock_m = 16\nblock_n = 16\n[pallas_tpu]\nblock_q = 16\nblock_kv = 128\n"
 
@@ -64,6 +64,24 @@ def test_logits_of_1e4(target, mask):
     # The LSE is of the logits' size: a few float32 ulps of 1e4 (2**-23 * 1e4 = 1.2e-3 each).
     assert np.abs(lse - ref_lse).max() <= 4 * 2.0**-23 * 1e4
     c = harness.make_cotangents(p, seed=11)
+    assert all(np.isfinite(g).all() for g in run_grad(spec, p, c))
+
+
+@pytest.mark.parametrize("target", harness.TARGETS)
+@pytest.mark.parametrize(
+    ("score", "c"), [(f"min(score, {FLOAT_PARAM})", -3e38), (f"max(score, {FLOAT_PARAM})", 2.4e38)]
+)
+def test_logits_beyond_float_max_over_log2e(target, score, c):
+    """Every logit equal to c, beyond FLT_MAX / log2(e) = 2.36e38 (where base-2 units overflow):
+    the output is the mean of v and the LSE c + log(keys). The gradients are finite, not exact: the
+    backward recomputes P from the float32 LSE, which cannot hold log(keys) beside c (README, Semantics)."""
+    run, run_grad = harness.TARGETS[target]
+    spec = harness.spec_from_text(spec_toml(None, score, head_dim=32, extra=('dtype = "float32"',)) + SMALL_TILES)
+    p = harness.make_problem(spec, 1, 2, 4, 37, seed=5, params={FLOAT_PARAM: c})
+    out, lse = run(spec, p)
+    np.testing.assert_allclose(out, np.broadcast_to(p.v.mean(axis=2, keepdims=True), out.shape), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, c + np.log(37.0), rtol=1e-6)
+    c = harness.make_cotangents(p, seed=5)
     assert all(np.isfinite(g).all() for g in run_grad(spec, p, c))
 
 

@@ -135,3 +135,70 @@ def test_decoding_from_a_paged_cache_on_the_gpu():
         ref_out, ref_lse = reference(torch.float64)
         base_out, _ = reference(torch.bfloat16)
         assert_forward("bfloat16", out[b : b + 1], lse[b : b + 1], ref_out, ref_lse, base_out)
+
+
+def test_tensors_of_more_than_2_31_elements():
+    """q, k, v of 2.15e9 elements each (training) and a KV cache of 2.16e9 (decoding): offsets past
+    2**31 are int64 in every kernel; the last sequences, whose elements all lie past 2**31, exact."""
+    spec = load_spec("specs/causal.toml")
+    module = harness.load_target(spec, "triton_gpu")
+    batch, seq = 16400, 1024  # 16400 * 1024 * 128 = 2.15e9 > 2**31
+    q, k, v, dout = _inputs(spec, batch, 1, seq, seq, seed=31)
+    assert q.numel() > 2**31
+    out, lse, grads = _out_and_grads(lambda *x: module.attention(*x, return_lse=True), q, k, v, dout)
+    tail = slice(batch - 2, batch)
+    _assert_exact(spec, {}, [x[tail] for x in (q, k, v, dout)], out[tail], lse[tail], [g[tail] for g in grads])
+    del q, k, v, dout, out, lse, grads
+
+    batch, heads, kv_heads, length = 64, 32, 8, 33000  # 64 * 8 * 33000 * 128 = 2.16e9
+    generator = torch.Generator(device="cuda").manual_seed(32)
+    k_cache, v_cache = (
+        torch.randn(batch, kv_heads, length, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    assert k_cache.numel() > 2**31
+    q = torch.randn(batch, heads, 1, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    out, lse = module.attention_with_kvcache(q, k_cache, v_cache, lens, return_lse=True)
+    last = slice(batch - 1, batch)  # one new token sees every cached key: causal = full here
+    keys, values = (x[last].repeat_interleave(heads // kv_heads, 1) for x in (k_cache, v_cache))
+    ref_out, ref_lse = attention_ref_torch(load_spec("specs/full.toml"), q[last], keys, values, dtype=torch.float64)
+    base_out, _ = attention_ref_torch(load_spec("specs/full.toml"), q[last], keys, values, dtype=torch.bfloat16)
+    assert_forward("bfloat16", out[last], lse[last], ref_out, ref_lse, base_out)
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi_slopes"])
+def test_non_finite_inputs_on_the_gpu(name):
+    """NaN in q, +-inf or NaN in k: non-finite exactly where the float64 reference is, the other
+    rows exact; NaN in v: NaN in every row that sees it (README, Semantics)."""
+    spec = load_spec(f"specs/{name}.toml")
+    module = harness.load_target(spec, "triton_gpu")
+    q, k, v, _ = _inputs(spec, 1, 2, 700, 700, seed=33)
+    params = _params(name, 1, 2, 700, 700, seed=1)
+    for which, row, value in (
+        ("q", 5, float("nan")),
+        ("k", 300, float("inf")),
+        ("k", 300, float("-inf")),
+        ("k", 300, float("nan")),
+    ):
+        x = {"q": q.clone(), "k": k.clone(), "v": v}
+        x[which][0, 1, row, :4] = value
+        out, lse = module.attention(x["q"], x["k"], x["v"], return_lse=True, **params)
+        ref_out, ref_lse = attention_ref_torch(spec, x["q"], x["k"], x["v"], dtype=torch.float64, **params)
+        base_out, _ = attention_ref_torch(spec, x["q"], x["k"], x["v"], dtype=q.dtype, **params)
+        broken = ~ref_out.isfinite().all(-1)
+        assert broken.any(), "the case must reach the softmax"
+        assert torch.equal(~out.isfinite().all(-1), broken), f"{which} = {value}: non-finite rows"
+        assert torch.equal(~lse.isfinite(), ~ref_lse.isfinite()), f"{which} = {value}: non-finite LSE"
+        assert_forward(
+            spec.dtype,
+            out[~broken][None],
+            lse[~broken][None],
+            ref_out[~broken][None],
+            ref_lse[~broken][None],
+            base_out[~broken][None],
+        )
+    x = v.clone()
+    x[0, 0, 300, 0] = float("nan")
+    out = module.attention(q, k, x, **params)
+    assert out[0, 0, 300:, 0].isnan().all(), "rows that see the value are NaN in its column"

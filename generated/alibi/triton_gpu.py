@@ -146,10 +146,29 @@ def _visible(q_idx, kv_idx, b, h, q_len, kv_len, param_num_heads):
 
 @triton.jit
 def _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads):
-    """Base-2 logits (the softmax runs in exp2) from q.k, through the score expression."""
+    """Logits from q.k through the score expression, in natural units: a score may be anywhere in
+    float32's range, where score * log2(e) overflows (above 2.36e38) and score - max does not."""
     score = qk * scale
-    score = score - tl.exp(-0.6931471805599453 * 8.0 * (h + 1).to(tl.float32) / param_num_heads.to(tl.float32)) * (q_idx - kv_idx).to(tl.float32)
-    return score * 1.4426950408889634
+    return score - tl.exp(-0.6931471805599453 * 8.0 * (h + 1).to(tl.float32) / param_num_heads.to(tl.float32)) * (q_idx - kv_idx).to(tl.float32)
+
+
+@triton.jit
+def _exp_shifted(x, shift):
+    """exp(x - shift), x and shift in _logits' units."""
+    return tl.exp2((x - shift) * 1.4426950408889634)
+
+
+@triton.jit
+def _lse(m, l):
+    """A row's natural-log log-sum-exp from its max m (in _logits' units) and l = sum(exp(x - m)):
+    -inf for a row with no visible key (l = 0)."""
+    return tl.where(l == 0.0, float("-inf"), m + tl.log(l))
+
+
+@triton.jit
+def _probs(x, lse):
+    """P = exp(x - lse) from logits in _logits' units and the row's natural-log LSE (the backward)."""
+    return tl.exp2((x - lse) * 1.4426950408889634)
 
 
 @triton.jit
@@ -179,8 +198,8 @@ def _fwd_kv_blocks(
         # inf - inf). Keeping a 0 as its max would shift its later logits by 0 instead of their
         # max: P then underflows (fp16 subnormals) and the row loses its bits.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(x - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
+        p = _exp_shifted(x, m_shift[:, None])
+        alpha = _exp_shifted(m_i, m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_DV])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -238,8 +257,7 @@ def _attention_fwd(
     # A row with no visible key has l = 0 and acc = 0: its output is 0 and its LSE -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_desc.store([b, h, q_first, 0], out.to(o_desc.dtype).reshape([1, 1, BLOCK_M, BLOCK_DV]))
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)
-    tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+    tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, _lse(m_i, l_i), mask=offs_m < q_len)
 
 
 @triton.jit
@@ -256,7 +274,7 @@ def _dq_kv_blocks(
         k = k_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_D])
         v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_DV])
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32
-        p = tl.exp2(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads) - lse[:, None] * 1.4426950408889634)
+        p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads), lse[:, None])
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_num_heads), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
@@ -292,7 +310,7 @@ def _attention_bwd_dq(
     rows = bh.to(tl.int64) * q_len + offs_m
     lse = tl.load(LSE + rows, mask=offs_m < q_len, other=0.0)
     # A row whose every logit the score expression made -inf has LSE -inf: read as +inf, each of
-    # its P is exp2(-inf - inf) = 0 (its gradients 0), not exp2(-inf + inf) = NaN.
+    # its P is exp(-inf - inf) = 0 (its gradients 0), not exp(-inf + inf) = NaN.
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     # delta = rowsum(dO * O) - dLSE, the softmax-backward term with the LSE's own gradient; stored
     # for the dK/dV kernel, which runs after this one.
@@ -345,7 +363,7 @@ def _dkdv_q_blocks(
             delta = tl.load(delta_row + offs_m)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # P = 0 in rows of -inf logits (see the dQ kernel)
         qk = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M], fp32
-        p = tl.exp2(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads) - lse[None, :] * 1.4426950408889634)
+        p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads), lse[None, :])
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_num_heads), p, 0.0)
         dv = tl.dot(p.to(do.dtype), do, dv)
@@ -443,8 +461,8 @@ def _decode_kv_blocks(
         m_new = tl.maximum(m_i, tl.max(x, 1))
         # A row that has seen no visible key yet keeps m = -inf and is shifted by 0 (see the forward).
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(x - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
+        p = _exp_shifted(x, m_shift[:, None])
+        alpha = _exp_shifted(m_i, m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=in_cache[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -530,7 +548,7 @@ def _decode_fwd(
 
     # A row with no visible key (in this split) has l = 0 and acc = 0: output 0, LSE -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_i)) * 0.6931471805599453)
+    lse = _lse(m_i, l_i)
     store = row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     if SPLIT:
         parts = split * tl.num_programs(1) * GROUP * new_tokens + out_rows  # [splits, B * H * new_tokens]
@@ -702,8 +720,8 @@ def _sm90_softmax_step(qk, m_i, l_i, q_idx, kv_idx, b, h, q_len, kv_len, scale, 
     m_new = gl.maximum(m_i, gl.max(x, 1))
     # A row that has seen no visible key keeps m = -inf and is shifted by 0 (see _fwd_kv_blocks).
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(x - gl.expand_dims(m_shift, 1))
-    alpha = gl.exp2(m_i - m_shift)
+    p = _exp_shifted(x, gl.expand_dims(m_shift, 1))
+    alpha = _exp_shifted(m_i, m_shift)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
@@ -806,7 +824,7 @@ def _sm90_consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready
     o_tile.reshape([ROWS, BLOCK_DV]).store(out.to(o_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], o_tile)  # rows past q_len are dropped
-    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    lse = _lse(m_i, l_i)
     offs_m = q_first + gl.arange(0, ROWS, rows_s)
     gl.store(LSE + bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
     tma.store_wait(0)
@@ -959,7 +977,7 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, e
         qk = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(1, deps=(qk, k_tile, q_tile))[0]
-        p = gl.exp2(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads) - gl.expand_dims(lse, 0) * 1.4426950408889634)
+        p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads), gl.expand_dims(lse, 0))
         if MASKED:
             p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_num_heads), p, 0.0)
         dp = warpgroup_mma_wait(0, deps=(dp, v_tile, do_tile))[0]
