@@ -184,7 +184,6 @@ KERNELS = (
             ("num_heads", Arg("i32", divisible=True)),
             ("new_tokens", Arg("i32")),
             ("capacity", Arg("i32")),
-            ("page_size", Arg("i32", divisible=True)),
             ("num_pages", Arg("i32")),
             ("table_stride", Arg("i32")),
             ("k_stride_page", Arg("i32", divisible=True)),
@@ -195,8 +194,9 @@ KERNELS = (
             ("v_stride_row", Arg("i32", divisible=True)),
             ("scale", Arg("fp32")),
         ),
-        # One query head per kv head, a contiguous cache, no split: each compiles its own kernel.
-        constexprs=(("GROUP", 1), ("PAGED", 0), ("SPLIT", 0)),
+        # One query head per kv head, a contiguous cache (PAGE_SIZE 0), no split: each of those
+        # (and each page size) compiles a kernel of its own.
+        constexprs=(("GROUP", 1), ("PAGE_SIZE", 0), ("SPLIT", 0)),
     ),
     Kernel(
         "fwd_sm90",

@@ -218,6 +218,8 @@ def compile_kernel(module, kernel: Kernel, dtype: str, target: GpuTarget | int):
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    if isinstance(target, int):
+        target = GpuTarget(f"sm{target}", "cuda", target, 32, max_shared=0)
     tiles = _tiles(module, kernel)
     fn, signature, constexprs, attrs = _signature(module, kernel, dtype)
     if kernel.language == "gluon":  # warp-specialized: registers move between partitions
@@ -225,9 +227,11 @@ def compile_kernel(module, kernel: Kernel, dtype: str, target: GpuTarget | int):
         options = {"num_warps": tiles["num_warps"], "maxnreg": module.SM90_MAX_REGISTERS}
     else:
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-        options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
-    if isinstance(target, int):
-        target = GpuTarget(f"sm{target}", "cuda", target, 32, max_shared=0)
+        # A module may launch with fewer stages on AMD GPUs (DECODE_NUM_STAGES_HIP): compile what runs.
+        stages = tiles["num_stages"]
+        if target.backend == "hip":
+            stages = getattr(module, f"{kernel.tiles}num_stages_hip".upper(), stages)
+        options = {"num_warps": tiles["num_warps"], "num_stages": stages}
     return triton.compile(source, target=GPUTarget(target.backend, target.arch, target.warp_size), options=options)
 
 

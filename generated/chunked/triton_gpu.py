@@ -424,10 +424,10 @@ def _attention_bwd_dkdv(
 
 @triton.jit
 def _decode_kv_blocks(
-    acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, page_size, num_pages,
+    acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, num_pages,
     k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
     b, h, h_kv, block_lo, block_hi, q_idx, q_len, kv_len, scale, param_chunk,
-    MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
     """Online softmax over a run of cached kv blocks; MASKED runs the mask (PARTIAL tiles)."""
@@ -437,14 +437,20 @@ def _decode_kv_blocks(
     for block in range(block_lo, block_hi):
         kv_pos = block * BLOCK_N + offs_n
         in_cache = kv_pos < kv_len
-        if PAGED:
-            # Each key's page from the block table; an index past the pages reads the last one.
-            page = tl.load(BLOCK_TABLE + b * table_stride + kv_pos // page_size, mask=in_cache, other=0)
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-            row = kv_pos % page_size
-        else:
+        if PAGE_SIZE == 0:  # a contiguous cache
             page = b.to(tl.int64)
             row = kv_pos
+        elif PAGE_SIZE % BLOCK_N == 0:
+            # A paged cache whose pages hold whole blocks: one lookup in the block table per block
+            # (an index past the pages reads the last one). The page size is a constant (// and %
+            # are shifts), each compiling a kernel of its own.
+            page = tl.load(BLOCK_TABLE + b * table_stride + block * BLOCK_N // PAGE_SIZE)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+            row = block * BLOCK_N % PAGE_SIZE + offs_n
+        else:  # smaller pages: each key's page
+            page = tl.load(BLOCK_TABLE + b * table_stride + kv_pos // PAGE_SIZE, mask=in_cache, other=0)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+            row = kv_pos % PAGE_SIZE
         k_rows = K + page * k_stride_page + h_kv * k_stride_head + row * k_stride_row
         v_rows = V + page * v_stride_page + h_kv * v_stride_head + row * v_stride_row
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=in_cache[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
@@ -468,9 +474,9 @@ def _decode_kv_blocks(
 @triton.jit(do_not_specialize=["new_tokens", "capacity", "num_pages", "param_chunk"])
 def _decode_fwd(
     Q, K, V, O, LSE, O_PARTS, LSE_PARTS, CACHE_SEQLENS, BLOCK_TABLE,
-    num_heads, new_tokens, capacity, page_size, num_pages, table_stride, k_stride_page, k_stride_head,
+    num_heads, new_tokens, capacity, num_pages, table_stride, k_stride_page, k_stride_head,
     k_stride_row, v_stride_page, v_stride_head, v_stride_row, scale, param_chunk,
-    GROUP: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
@@ -520,24 +526,24 @@ def _decode_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, l_i, m_i = _decode_kv_blocks(
-        acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, page_size, num_pages,
+        acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, num_pages,
         k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
         b, h, h_kv, split_lo, run_lo, q_idx, q_len, kv_len, scale, param_chunk,
-        MASKED=True, PAGED=PAGED, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        MASKED=True, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
     )
     acc, l_i, m_i = _decode_kv_blocks(
-        acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, page_size, num_pages,
+        acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, num_pages,
         k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
         b, h, h_kv, run_lo, run_hi, q_idx, q_len, kv_len, scale, param_chunk,
-        MASKED=False, PAGED=PAGED, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        MASKED=False, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
     )
     acc, l_i, m_i = _decode_kv_blocks(
-        acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, page_size, num_pages,
+        acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, num_pages,
         k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
         b, h, h_kv, run_hi, split_hi, q_idx, q_len, kv_len, scale, param_chunk,
-        MASKED=True, PAGED=PAGED, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        MASKED=True, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
     )
 
@@ -552,6 +558,10 @@ def _decode_fwd(
     else:
         tl.store(O + out_rows[:, None] * HEAD_DIM_V + offs_dv[None, :], out.to(O.dtype.element_ty), mask=store)
         tl.store(LSE + out_rows, lse, mask=row_in)
+
+
+# AMD Instinct GPUs give a block 64 KiB of LDS: two stages of the K and V tiles, not three.
+DECODE_NUM_STAGES_HIP = min(DECODE_NUM_STAGES, 2)
 
 
 def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_splits):
@@ -578,11 +588,11 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
     table = block_table if paged else cache_seqlens  # (unread without pages)
     _decode_fwd[(num_splits, batch * kv_heads, row_blocks)](
         q, k_cache, v_cache, out, lse, parts if parts is not None else lse, lse_parts if parts is not None else lse,
-        cache_seqlens, table, heads, new_tokens, capacity, page_size, k_cache.shape[0],
+        cache_seqlens, table, heads, new_tokens, capacity, k_cache.shape[0],
         table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
-        GROUP=group, PAGED=paged, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
+        GROUP=group, PAGE_SIZE=page_size if paged else 0, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
         BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES_HIP if torch.version.hip else DECODE_NUM_STAGES,
     )
     if num_splits > 1:
         rows = batch * heads * new_tokens
