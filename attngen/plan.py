@@ -91,6 +91,11 @@ class KernelPlan:
     score: str | None  # modified score in the target language; None: score unchanged
     score_grad: str | None  # d(modified score)/d(score) in the target language
     score_grad_reads_score: bool  # False when the derivative is free of the score (e.g. a constant)
+    sink: str | None  # the sink logit in the target language over b, h and the params; None: no sink
+    sink_text: str
+    # The float tensor param the sink reads as it is (`sinks[h]` of a float[heads] param, or
+    # `sinks[b, h]` of a float[batch, heads] one): it gets the sink's gradient. None: no gradient.
+    sink_param: ParamPlan | None
     # Per kernel (by name): the column block ranges its loop walks (kv blocks per q block for the
     # forward and dQ, q blocks per kv block for dK/dV).
     bounds: dict[str, BoundsPlan]
@@ -185,11 +190,22 @@ SPEC_DIALECT = Dialect(
 
 def spec_text(spec: Spec, which: str) -> str:
     """A spec expression re-printed from its IR in the spec language (never the raw string)."""
-    expr = spec.mask if which == "mask" else spec.score
+    expr = {"mask": spec.mask, "score": spec.score, "sink": spec.sink}[which]
     if expr is None:
         return "none"
     names = {n: n for n in (*ir.INDEX_VARS, *ir.SIZE_VARS, "score", *(p.name for p in spec.params))}
     return emit(expr, SPEC_DIALECT, names)
+
+
+def _sink_param(spec: Spec) -> str | None:
+    """The float tensor param the sink reads as it is: `sinks[h]` of a float[heads] param or
+    `sinks[b, h]` of a float[batch, heads] one (its gradient is the sink's), else None."""
+    e = spec.sink
+    if not isinstance(e, ir.Load) or e.type is not ir.Type.FLOAT:
+        return None
+    param = next(p for p in spec.params if p.name == e.tensor)
+    axes = tuple(i.name if isinstance(i, ir.Var) else None for i in e.indices)
+    return e.tensor if (axes, param.shape) in ((("h",), ("heads",)), (("b", "h"), ("batch", "heads"))) else None
 
 
 def _bounds_plan(bounds: TileBounds, lower) -> BoundsPlan:
@@ -264,13 +280,13 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
 
     mask_reads = ir.variables(spec.mask) if spec.mask is not None else frozenset()
     data_mask = spec.mask is not None and any(ir.reads_positions(load) for load in ir.loads(spec.mask))
-    tile_exprs = [e for e in (spec.mask, spec.score, score_grad) if e is not None]
+    tile_exprs = [e for e in (spec.mask, spec.score, score_grad, spec.sink) if e is not None]
     gathered = _gathered(tile_exprs) if backend.gathers_position_loads else {}
     names |= {var.name: var.name for var in gathered.values() if isinstance(var, ir.Var)}
     mask, score, score_grad = (
         ir.substitute(e, gathered) if e is not None else None for e in (spec.mask, spec.score, score_grad)
     )
-    exprs = [e for e in (mask, score, score_grad) if e is not None]
+    exprs = [e for e in (mask, score, score_grad, spec.sink) if e is not None]
     for b in tile_bounds.values():
         exprs += [b.lo, b.hi, b.full_lo, b.full_hi]
     read_in_kernels = frozenset().union(*(ir.variables(e) for e in exprs))
@@ -281,6 +297,19 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         if spelled in backend.helper_functions and any(ir.uses_function(e, fn) for e in exprs):
             helpers.add(spelled)
 
+    param_plans = tuple(
+        ParamPlan(
+            p.name,
+            names[p.name],
+            p.type.value,
+            p.shape,
+            backend.tensor_args(names[p.name], len(p.shape)) if p.name in read_in_kernels else (),
+        )
+        if p.is_tensor
+        else ParamPlan(p.name, names[p.name], p.type.value, kernel_args=(names[p.name],))
+        for p in sorted(spec.params, key=lambda p: (p.is_tensor, p.type is ir.Type.FLOAT))
+    )
+    sink_read = _sink_param(spec)
     return KernelPlan(
         spec_name=spec.name,
         spec_file=spec_file,
@@ -290,22 +319,14 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         dtype=spec.dtype,
         head_dim=spec.head_dim,
         head_dim_v=spec.value_dim,
-        params=tuple(
-            ParamPlan(
-                p.name,
-                names[p.name],
-                p.type.value,
-                p.shape,
-                backend.tensor_args(names[p.name], len(p.shape)) if p.name in read_in_kernels else (),
-            )
-            if p.is_tensor
-            else ParamPlan(p.name, names[p.name], p.type.value, kernel_args=(names[p.name],))
-            for p in sorted(spec.params, key=lambda p: (p.is_tensor, p.type is ir.Type.FLOAT))
-        ),
+        params=param_plans,
         mask=lower(mask) if mask is not None else None,
         score=lower(score) if score is not None else None,
         score_grad=lower(score_grad) if score_grad is not None else None,
         score_grad_reads_score=score_grad is not None and "score" in ir.variables(score_grad),
+        sink=lower(spec.sink) if spec.sink is not None else None,
+        sink_text=spec_text(spec, "sink"),
+        sink_param=next((p for p in param_plans if p.name == sink_read), None),
         bounds={name: _bounds_plan(b, lower) for name, b in tile_bounds.items()},
         op_name=f"{spec.name}_{_digest(spec, config)}",
         helpers=frozenset(helpers),

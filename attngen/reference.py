@@ -141,9 +141,15 @@ def attention_ref(spec: Spec, q, k, v, *, scale: float | None = None, **params) 
     visible = dense_mask(spec, batch, heads, q_len, kv_len, params)
     score = np.where(visible, score, -np.inf)
     row_max = score.max(axis=-1, keepdims=True, initial=-np.inf)
+    sink = None
+    if spec.sink is not None:  # one more logit in every row's denominator, with no value
+        sink = np.broadcast_to(evaluate(spec.sink, {**positions(batch, heads, 1, 1), **params}), (batch, heads, 1, 1))
+        row_max = np.maximum(row_max, sink)
     shift = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.exp(score - shift)
     total = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(sink - shift)
     out = np.matmul(p / np.where(total == 0, 1.0, total), v)
     with np.errstate(divide="ignore"):
         lse = np.where(total[..., 0] == 0, -np.inf, np.log(total[..., 0]) + shift[..., 0])
@@ -183,9 +189,16 @@ def attention_ref_torch(spec: Spec, q, k, v, *, scale: float | None = None, dtyp
         if kv_len
         else torch.full((batch, heads, q_len, 1), -torch.inf, dtype=dtype, device=device)
     )
+    sink = None
+    if spec.sink is not None:  # one more logit in every row's denominator, with no value
+        index = positions(batch, heads, 1, 1, torch, device=device)
+        sink = evaluate(spec.sink, {**index, **params}, torch).to(dtype).expand(batch, heads, 1, 1)
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0).detach()
     p = torch.where(visible, torch.exp(score - row_max), 0.0)
     total = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - row_max)
     out = (p / torch.where(total == 0, 1.0, total)) @ v
     lse = torch.where(
         total[..., 0] == 0, -torch.inf, torch.log(torch.where(total == 0, 1.0, total))[..., 0] + row_max[..., 0]

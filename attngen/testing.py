@@ -40,6 +40,8 @@ def example_params(spec_name: str, batch: int, heads: int, q_len: int, kv_len: i
         "bias": lambda: {"bias": rng.standard_normal((batch, heads, q_len, kv_len)).astype(np.float32)},
         # Scores are about standard normal: a few keys of each row pass their sequence's bound.
         "score_cutoff": lambda: {"bound": rng.uniform(2.0, 3.0, batch).astype(np.float32)},
+        # Sinks of a few units either way: some rows give the sink most of their weight.
+        "sinks": lambda: {"sinks": 2 * rng.standard_normal(heads).astype(np.float32)},
         # Some prefixes are negative or past the keys: all-causal and all-visible rows.
         "prefix_lm_batched": lambda: {"prefix": rng.integers(-5, kv_len + 5, batch).astype(np.int32)},
         "varlen": lambda: {  # each sequence of the batch packed its own way

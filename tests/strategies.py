@@ -109,9 +109,13 @@ def uses(name: str, *exprs: str | None) -> bool:
 
 
 def spec_toml(
-    mask: str | None = None, score: str | None = None, head_dim: int = 64, extra: tuple[str, ...] = ()
+    mask: str | None = None,
+    score: str | None = None,
+    head_dim: int = 64,
+    extra: tuple[str, ...] = (),
+    sink: str | None = None,
 ) -> str:
-    """Spec text for a mask and a score expression, declaring the drawn params they read."""
+    """Spec text for a mask, a score and a sink expression, declaring the drawn params they read."""
     lines = ['name = "drawn"', f"head_dim = {head_dim}", *extra]
     if mask == "causal":
         lines += ["[mask]", "causal = true"]
@@ -119,8 +123,10 @@ def spec_toml(
         lines += ["[mask]", f'expr = "{mask}"']
     if score is not None:
         lines += ["[score]", f'expr = "{score}"']
+    if sink is not None:
+        lines += ["[sink]", f'expr = "{sink}"']
     params = [f'{INT_PARAM} = "int"'] * uses(INT_PARAM, mask, score) + [f'{FLOAT_PARAM} = "float"'] * uses(
-        FLOAT_PARAM, mask, score
+        FLOAT_PARAM, mask, score, sink
     )
     if params:
         lines += ["[params]", *params]
@@ -333,14 +339,17 @@ def exact_specs(draw) -> DrawnSpec:
     expressions from score_exprs(), valid small tiles; head_dim and dtype drawn."""
     mask = draw(st.one_of(st.none(), st.just("causal"), masks(), exact_masks()))
     score = draw(st.one_of(st.none(), score_exprs()))
+    # A sink now and then: constant, per head, or from a param (rows with no key then average to 0
+    # and take the sink as their LSE).
+    sink = draw(st.one_of(st.none(), st.sampled_from(["1.5", "0.5 * h - 1.0", f"0.05 * {FLOAT_PARAM} - 1.0"])))
     params = {}
     if uses(INT_PARAM, mask, score):
         params[INT_PARAM] = draw(st.integers(-20, 150))
-    if uses(FLOAT_PARAM, mask, score):
+    if uses(FLOAT_PARAM, mask, score, sink):
         params[FLOAT_PARAM] = draw(st.sampled_from([5.0, 20.0, 50.0]))
     head_dim = draw(st.sampled_from([16, 40, 64]))
     dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
-    text = spec_toml(mask, score, head_dim=head_dim, extra=(f'dtype = "{dtype}"',))
+    text = spec_toml(mask, score, head_dim=head_dim, extra=(f'dtype = "{dtype}"',), sink=sink)
     text += "\n".join(
         (
             "[triton]",

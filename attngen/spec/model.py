@@ -69,6 +69,9 @@ class Spec:
     sha256: str
     mask_source: str | None = None
     head_dim_v: int | None = None  # v's (and the output's) head dim, when it differs from q's and k's
+    # An attention sink (gpt-oss): one logit per (batch, head) that joins every row's softmax
+    # denominator and carries no value. None: no sink.
+    sink: ir.Expr | None = None
 
     @property
     def value_dim(self) -> int:

@@ -229,13 +229,27 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         score, score_names = v.expression(
             score_source, "score", Scope(scalars, allow_score=True, tensors=tensors), ir.Type.FLOAT
         )
-    if mask_names is not None and score_names is not None:  # else which names are read is unknown
+    sink_source = v.typed(v.table(data, "sink"), "sink").get("expr")
+    sink, sink_names = None, frozenset()
+    if sink_source is not None:
+        sink, sink_names = v.expression(
+            sink_source, "sink", Scope(scalars, allow_score=False, tensors=tensors), ir.Type.FLOAT
+        )
+        per_row = sorted((sink_names or frozenset()) & {"q_idx", "kv_idx", "q_len", "kv_len"})
+        if per_row:
+            v.error(
+                f"[sink] expr reads {', '.join(per_row)}: a sink is one logit per batch and head",
+                loc.value("sink", "expr"),
+                'read b, h and params, e.g. expr = "sinks[h]" with sinks = "float[heads]"',
+            )
+            sink = None
+    if None not in (mask_names, score_names, sink_names):  # else which names are read is unknown
         for p in params:
-            if p.name not in mask_names | score_names:
+            if p.name not in mask_names | score_names | sink_names:
                 v.error(
                     f"param `{p.name}` is declared but never used",
                     loc.key("params", p.name),
-                    "read it in the [mask] or [score] expr, or remove it",
+                    "read it in the [mask], [score] or [sink] expr, or remove it",
                 )
 
     # Each target checks its own table; what depends on the shape, only once the shape is valid.
@@ -260,6 +274,7 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         path=path,
         sha256=sha256,
         mask_source=mask_source,
+        sink=sink,
     )
 
 
