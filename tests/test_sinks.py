@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from attngen import ir
 from attngen.errors import SpecError
 from attngen.exactness import assert_forward, assert_grads
 from attngen.reference import attention_ref_torch
@@ -52,12 +53,13 @@ def inputs(batch, heads, kv_heads, q_len, kv_len, axes, seed):
     return q, k, v, sinks, cotangents
 
 
-def torch_grads(fn, q, k, v, sinks, cotangents, dtype=torch.float32):
-    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v, sinks)]
+def torch_grads(fn, q, k, v, sinks, cotangents, dtype=torch.float32, sink_grad=True):
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [sinks.to(dtype).requires_grad_(sink_grad)]
     out, lse = fn(*leaves)
     dout, dlse = cotangents
     loss = (out * dout.to(out.dtype)).sum() + (lse * dlse.to(lse.dtype)).sum()
-    return out.detach(), lse.detach(), torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+    grads = torch.autograd.grad(loss, leaves[: 3 + sink_grad], allow_unused=True, materialize_grads=True)
+    return out.detach(), lse.detach(), [*grads, torch.zeros_like(sinks)][:4]
 
 
 def reference(spec, q, k, v, sinks, cotangents, window):
@@ -71,7 +73,7 @@ def run_triton(spec, q, k, v, sinks, cotangents, window):
     module = harness.load_target(spec, "triton_gpu")
     return torch_grads(
         lambda q, k, v, s: module.attention(q, k, v, window=window, sinks=s, return_lse=True),
-        q, k, v, sinks, cotangents,
+        q, k, v, sinks, cotangents, sink_grad=isinstance(spec.sink, ir.Load),  # a sink read as it is: its param learns
     )  # fmt: skip
 
 
@@ -250,3 +252,18 @@ def test_compiled_sink_gradients_match_eager():
     ours = torch_grads(compiled, q, k, v, sinks, cotangents)
     for a, b in zip(ours[2], eager[2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_param_without_a_gradient_that_requires_one_is_refused():
+    """A learnable param attngen gives no gradient (here: read by the sink through an expression)
+    would silently stay as it is: refused, with the way out."""
+    spec = sinks_spec(expr="0.5 * sinks[h] - 1.0")
+    module = harness.load_target(spec, "triton_gpu")
+    q, k, v, sinks, _ = inputs(1, 2, 2, 8, 8, "heads", seed=17)
+    with pytest.raises(
+        ValueError, match=r"param sinks requires grad, and attention gives it none: pass sinks.detach\(\)"
+    ):
+        module.attention(q, k, v, window=4, sinks=sinks.requires_grad_())
+    module.attention(q, k, v, window=4, sinks=sinks.detach())
+    with torch.no_grad():
+        module.attention(q, k, v, window=4, sinks=sinks)

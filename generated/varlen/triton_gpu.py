@@ -1476,6 +1476,9 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     q, k, v = _as_bhsd(layout, q, k, v)
     _check_inputs(q, k, v)
     scalars, tensors = _check_params(params, q, _problem_sizes(q, k))
+    for name, value in tensors.items():  # else a param being trained would silently never change
+        if value.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"param {name} requires grad, and attention gives it none: pass {name}.detach()")
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
