@@ -11,6 +11,10 @@ skipped. A candidate's score is the geometric mean of its times over every spec 
 length, so that no single shape decides (tuning on one length picks tiles that lose on others).
 The three kernels are tuned one after the other (forward alone; dQ with the table's dK/dV; dK/dV
 with the best dQ), which keeps the search linear in the size of each space.
+On a Hopper GPU the Gluon kernels are searched too (their tile height is fixed by wgmma: the
+block they step over and the depth of their ring), each with the other Hopper kernel on; the
+Triton forward and dK/dV kernels they replace there are tuned with the Hopper kernels off (the
+module runs them when those are switched off). Elsewhere the Gluon kernels are skipped.
 Non-goals: no search over the Pallas kernels (TPU tuning needs a TPU), no autotuning at run time.
 """
 
@@ -40,10 +44,9 @@ from attngen.exactness import GRADIENTS, judge
 from attngen.spec import Spec, retarget, with_config
 
 # The training family: the forward kernels are timed alone, the others with the whole backward.
-# The Hopper (Gluon) kernels have a search space of their own (fixed warps and rows): not searched
-# here yet; bench/sm90_forward.py measures them.
-TUNED_KERNELS = tuple(k for k in KERNELS if k.family == "training" and k.language == "triton")
-FORWARD_KERNELS = ("fwd", "fwd_short")
+TUNED_KERNELS = tuple(k for k in KERNELS if k.family == "training")
+FORWARD_KERNELS = ("fwd", "fwd_short", "fwd_sm90")
+HOPPER_SWITCHES = tuple(sorted({k.enabled_by for k in KERNELS if k.capabilities}))  # sm90_forward, sm90_backward
 TOKENS = 16384  # batch * seq of every timed shape, as in the benchmark grid
 
 
@@ -66,11 +69,16 @@ class Candidate:
 
 
 _SPACE = [Candidate(*c) for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+# The Gluon kernels: 128 rows in two consumer warpgroups of one warpgroup each (validated by the
+# backend); the block they step over and their ring's depth are free.
+_HOPPER_SPACE = [Candidate(128, step, 4, stages) for step in (64, 128) for stages in (2, 3)]
 
 
-def search_space(quick: bool) -> list[Candidate]:
-    """36 candidates per kernel; --quick keeps 3 stages, and 8 warps exactly for tiles of
-    128 x 64 or more (the usual winners on Hopper): 6."""
+def search_space(kernel: Kernel, quick: bool) -> list[Candidate]:
+    """The Triton kernels: 36 candidates; --quick keeps 3 stages, and 8 warps exactly for tiles of
+    128 x 64 or more (the usual winners on Hopper): 6. The Gluon kernels: 4."""
+    if kernel.language == "gluon":
+        return list(_HOPPER_SPACE)
     if quick:
         return [c for c in _SPACE if c.stages == 3 and (c.warps == 8) == (c.rows * c.step >= 128 * 64)]
     return list(_SPACE)
@@ -98,6 +106,7 @@ def tune(
     if not torch.cuda.is_available():
         raise AttngenError("attngen tune runs the kernels: it needs a CUDA GPU (try `attngen check` on a CPU)")
     gpu = torch.cuda.get_device_name()
+    capability = torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1]
     entries = []
     with tempfile.TemporaryDirectory(prefix="attngen-tune-") as scratch:
         tuner = _Tuner(Path(scratch), seqs, log)
@@ -107,10 +116,23 @@ def tune(
             log(f"{dtype} head_dim={head_dim} on {gpu}: {names} at seq {', '.join(map(str, seqs))}")
             config = TritonConfig(**default_config(head_dim, dtype))
             for kernel in TUNED_KERNELS:
+                if kernel.capabilities and capability not in kernel.capabilities:
+                    log(
+                        f"  {kernel.name}: built for compute capability {'/'.join(map(str, kernel.capabilities))}; kept"
+                    )
+                    continue
+                if kernel.enabled_by in HOPPER_SWITCHES and not getattr(config, kernel.enabled_by):
+                    log(f"  {kernel.name}: off at this head_dim and dtype ({kernel.enabled_by} = 0); kept")
+                    continue
                 if not tuner.lengths(kernel, config):
                     log(f"  {kernel.name}: no length to tune at (short_kv_len = {config.short_kv_len}); kept")
                     continue
-                best = tuner.search(targets, config, kernel, search_space(quick))
+                # A Gluon kernel is timed with the Hopper kernels as the module runs them; a Triton
+                # kernel with them off, else a Hopper kernel would run in its place.
+                hopper = {
+                    switch: getattr(config, switch) if kernel.language == "gluon" else 0 for switch in HOPPER_SWITCHES
+                }
+                best = tuner.search(targets, dataclasses.replace(config, **hopper), kernel, search_space(kernel, quick))
                 config = dataclasses.replace(config, **best.config(kernel))
             entries.append(TunedEntry(gpu, head_dim, dtype, dataclasses.asdict(config)))
             log(f"  winner: {dataclasses.asdict(config)}")

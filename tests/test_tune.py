@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from attngen.backends import triton_gpu
+from attngen.backends.base import ProblemShape
 from attngen.backends.triton_gpu import KERNELS, TRITON_GPU, TritonConfig, TunedEntry, default_config, write_tuned_table
 from attngen.cli import main
 from attngen.spec import load_spec, retarget
@@ -31,9 +32,25 @@ def test_candidates_name_each_kernels_fields():
 
 
 def test_search_spaces():
-    assert len(search_space(quick=False)) == 36 and len(set(search_space(quick=False))) == 36
-    quick = search_space(quick=True)
+    fwd = TRITON_GPU.kernel("fwd")
+    assert len(search_space(fwd, quick=False)) == 36 and len(set(search_space(fwd, quick=False))) == 36
+    quick = search_space(fwd, quick=True)
     assert len(quick) == 6 and all(c.stages == 3 for c in quick)
+
+
+@pytest.mark.parametrize("name", ["fwd_sm90", "bwd_dkdv_sm90"])
+def test_the_hopper_kernels_search_what_the_backend_leaves_free(name):
+    """Every candidate of a Gluon kernel passes the backend's checks (128 rows, one warpgroup per
+    consumer); --quick searches the same 4."""
+    kernel = TRITON_GPU.kernel(name)
+    space = search_space(kernel, quick=False)
+    assert space == search_space(kernel, quick=True) and len(set(space)) == 4
+
+    def refuse(message, key=None, hint=None):
+        raise AssertionError(message)
+
+    for candidate in space:
+        TRITON_GPU.make_config(candidate.config(kernel), ProblemShape(128, 128, "bfloat16"), refuse)
 
 
 def test_every_spec_dtype_and_head_dim_has_a_default():
