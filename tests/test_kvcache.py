@@ -31,6 +31,7 @@ SPECS = [
     "causal_bottom_right",
     "value_dim",
     "score_cutoff",
+    "sinks",
 ]
 
 
@@ -267,3 +268,37 @@ def test_pallas_bad_inputs_are_refused_before_launch():
             )
     # The unchanged inputs run: the refusals above came from the changes alone.
     assert module.attention_with_kvcache(q, cache, cache, lens, interpret=True).shape == (2, 4, 1, 32)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_new_keys_are_appended_then_attended(paged):
+    """k and v given (FlashAttention's append): written into the caches in place at
+    cache_seqlens[b] + t, then attended with the longer lengths -- the same as writing them by
+    hand first. An append past a sequence's pages raises before anything is written."""
+    spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
+    module = harness.load_target(spec, "triton_gpu")
+    batch, heads, kv_heads, tokens, page_size, pages = 2, 4, 2, 3, 16, 4  # 64 positions a sequence
+    g = torch.Generator().manual_seed(0)
+    shape = (batch * pages, kv_heads, page_size, 32) if paged else (batch, kv_heads, pages * page_size, 32)
+    k_cache, v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    table = torch.randperm(batch * pages, generator=g).view(batch, pages).int() if paged else None
+    lens = torch.tensor([10, 61], dtype=torch.int32)  # the second fills its last page exactly
+    q = torch.randn(batch, heads, tokens, 32, generator=g)
+    k, v = (torch.randn(batch, kv_heads, tokens, 32, generator=g) for _ in range(2))
+    k_hand, v_hand = k_cache.clone(), v_cache.clone()
+    for b in range(batch):
+        for t in range(tokens):
+            position = int(lens[b]) + t
+            where = (int(table[b, position // page_size]), position % page_size) if paged else (b, position)
+            k_hand[where[0], :, where[1]], v_hand[where[0], :, where[1]] = k[b, :, t], v[b, :, t]
+    expected = module.attention_with_kvcache(q, k_hand, v_hand, lens + tokens, block_table=table)
+    out = module.attention_with_kvcache(q, k_cache, v_cache, lens, k=k, v=v, block_table=table)
+    assert torch.equal(k_cache, k_hand) and torch.equal(v_cache, v_hand)
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="writes positions 11..64; the cache holds 0..63"):
+        module.attention_with_kvcache(q, k_cache, v_cache, lens + 1, k=k, v=v, block_table=table)
+    assert torch.equal(k_cache, k_hand), "a refused append writes nothing"
+    with pytest.raises(ValueError, match="together"):
+        module.attention_with_kvcache(q, k_cache, v_cache, lens, k=k, block_table=table)
+    with pytest.raises(ValueError, match="k has shape"):
+        module.attention_with_kvcache(q, k_cache, v_cache, lens, k=k[:, :1], v=v, block_table=table)

@@ -627,6 +627,39 @@ def _merge_splits(
     tl.store(LSE + row, tl.where(total == 0.0, float("-inf"), shift + tl.log(total)))
 
 
+def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
+    """Write k and v, [batch, kv_heads, T_new, d], at positions cache_seqlens[b] + t of each sequence's
+    cache; returns the lengths with them. Checked first (one host sync): nothing is written past a
+    sequence's pages, or into a page the block table does not have."""
+    if k is None or v is None:
+        raise ValueError("pass the new keys and values together: k and v")
+    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if not isinstance(new, torch.Tensor) or new.dim() != 4 or new.dtype != cache.dtype or new.device != cache.device:
+            raise ValueError(f"{name} must be a 4-D tensor of the caches' dtype and device ({cache.dtype}, {cache.device})")
+        if new.shape != (cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]):
+            raise ValueError(f"{name} has shape {tuple(new.shape)}; expected [batch, kv_heads, T_new, head_dim] = "
+                             f"{[cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]]}")
+    batch, tokens = k.shape[0], k.shape[2]
+    page_size = k_cache.shape[2]
+    capacity = block_table.shape[1] * page_size if block_table is not None else page_size
+    position = cache_seqlens[:, None].long() + torch.arange(tokens, device=k.device)  # [batch, T_new]
+    if position.numel():
+        first, last = int(position.min()), int(position.max())
+        if first < 0 or last >= capacity:
+            raise ValueError(f"appending {tokens} tokens writes positions {first}..{last}; the cache holds 0..{capacity - 1}")
+    if block_table is None:
+        rows = (torch.arange(batch, device=k.device)[:, None].expand_as(position), position)
+    else:
+        pages = block_table.gather(1, position // page_size).long()
+        if pages.numel() and not 0 <= int(pages.min()) <= int(pages.max()) < k_cache.shape[0]:
+            raise ValueError(f"block_table names pages outside 0..{k_cache.shape[0] - 1} for the appended tokens")
+        rows = (pages, position % page_size)
+    with torch.no_grad():
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            cache[rows[0], :, rows[1]] = new.transpose(1, 2)  # [batch, T_new, kv_heads, d] at (page, row)
+    return (cache_seqlens + tokens).int()
+
+
 def _decode_splits(programs, capacity, device):
     """In how many splits the keys of a sequence are walked (flash-decoding): enough programs for
     four per SM, each split at least two blocks of the cache's capacity."""
@@ -634,7 +667,9 @@ def _decode_splits(programs, capacity, device):
     return max(1, min(wanted, triton.cdiv(capacity, 2 * DECODE_BLOCK_N), 128))
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, return_lse=False, num_splits=None, **params):
+def attention_with_kvcache(
+    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, scale=None, return_lse=False, num_splits=None, **params
+):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `value_dim`; inference only (no autograd).
 
@@ -650,6 +685,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         v_cache: like k_cache, 128 wide.
         cache_seqlens: int32 [batch], each sequence's length in the cache (the new tokens included);
             clamped into [0, capacity]. A sequence shorter than T leaves its first queries without keys.
+        k, v: new keys and values to append first, [batch, kv_heads, T_new, 192] and [..., 128]
+            (FlashAttention's flash_attn_with_kvcache): written into the caches in place at positions
+            cache_seqlens[b] .. cache_seqlens[b] + T_new - 1, so that cache_seqlens counts the tokens
+            cached before them. An append past a sequence's pages raises, before anything is written.
         block_table: int32 [batch, max_pages] (paged caches): the pages of each sequence, in order;
             an index past the pages reads the last page.
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
@@ -660,6 +699,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+    if k is not None or v is not None:
+        cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v)
     scalars, tensors = _check_params(params)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
