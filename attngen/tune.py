@@ -106,7 +106,8 @@ def tune(
     if not torch.cuda.is_available():
         raise AttngenError("attngen tune runs the kernels: it needs a CUDA GPU (try `attngen check` on a CPU)")
     gpu = torch.cuda.get_device_name()
-    capability = torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1]
+    major, minor = torch.cuda.get_device_capability()
+    capability = 10 * major + minor
     entries = []
     with tempfile.TemporaryDirectory(prefix="attngen-tune-") as scratch:
         tuner = _Tuner(Path(scratch), seqs, log)

@@ -17,8 +17,11 @@ from tests import harness
 
 # Specs whose params make sense at any cache position (varlen packs several sequences in one row).
 SPECS = [
+    "alibi",
     "causal",
     "full",
+    "prefix_lm",
+    "strided",
     "sliding_window",
     "local_window",
     "chunked",
