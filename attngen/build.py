@@ -28,7 +28,7 @@ from attngen.backends import TARGETS
 from attngen.backends.base import Backend
 from attngen.errors import BuildError, shown_path
 from attngen.plan import HEADER_NOTE, KernelPlan, make_plan
-from attngen.spec import Spec, load_spec
+from attngen.spec import Spec, load_spec, packed
 
 # Templates are package data (attngen/templates/), loaded as resources: a wheel install builds too.
 TEMPLATES = importlib.resources.files("attngen") / "templates"
@@ -232,7 +232,9 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("ATTNGEN_CACHE_DIR") or Path.home() / ".cache" / "attngen")
 
 
-def load(spec: Spec | str | Path, target: str = "triton_gpu", cache_dir: str | Path | None = None):
+def load(
+    spec: Spec | str | Path, target: str = "triton_gpu", cache_dir: str | Path | None = None, varlen: bool = False
+):
     """The generated module of `spec` for `target`, built into a cache and imported.
 
     Works from any working directory, no `attngen build` needed. The cache is keyed by the sha256
@@ -244,6 +246,8 @@ def load(spec: Spec | str | Path, target: str = "triton_gpu", cache_dir: str | P
         spec: A spec file's path, or a Spec (from load_spec or parse_spec).
         target: "triton_gpu" (torch, Triton) or "pallas_tpu" (jax, Pallas).
         cache_dir: Where to build; default default_cache_dir().
+        varlen: Build the spec's packed form instead (attngen.spec.packed): its module's
+            `attention_varlen` takes FlashAttention's packed tensors and cu_seqlens.
 
     Returns:
         The imported module: `attention`, `merge_partials`, ... as in a built package. Loading the
@@ -254,6 +258,8 @@ def load(spec: Spec | str | Path, target: str = "triton_gpu", cache_dir: str | P
         raise BuildError(f"unknown target {target!r}; choose from {', '.join(b.name for b in TARGETS)}")
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
+    if varlen:
+        spec = packed(spec)
     source = target_source(spec, backend).encode()
     digest = hashlib.sha256(source).hexdigest()[:16]
     module_name = f"_attngen_{spec.name}_{target}_{digest}"

@@ -96,6 +96,7 @@ class KernelPlan:
     # The float tensor param the sink reads as it is (`sinks[h]` of a float[heads] param, or
     # `sinks[b, h]` of a float[batch, heads] one): it gets the sink's gradient. None: no gradient.
     sink_param: ParamPlan | None
+    varlen: bool  # the spec's packed form: the module adds attention_varlen (attngen.spec.varlen)
     # Per kernel (by name): the column block ranges its loop walks (kv blocks per q block for the
     # forward and dQ, q blocks per kv block for dK/dV).
     bounds: dict[str, BoundsPlan]
@@ -327,6 +328,7 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         sink=lower(spec.sink) if spec.sink is not None else None,
         sink_text=spec_text(spec, "sink"),
         sink_param=next((p for p in param_plans if p.name == sink_read), None),
+        varlen=spec.varlen,
         bounds={name: _bounds_plan(b, lower) for name, b in tile_bounds.items()},
         op_name=f"{spec.name}_{_digest(spec, config)}",
         helpers=frozenset(helpers),

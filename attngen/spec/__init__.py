@@ -2,11 +2,13 @@
 
 positions.py finds where each key and character sits in the text (for located errors),
 schema.py says which keys and names a spec may hold, validate.py checks a spec and builds the
-Spec of model.py. Each target checks its own table (attngen.backends).
+Spec of model.py. Each target checks its own table (attngen.backends). varlen.py derives a
+spec's packed form (FlashAttention's variable-length interface).
 """
 
 from attngen.spec.model import CAUSAL_MASK, CAUSAL_MASKS, DTYPES, MAX_SPEC_BYTES, Param, Spec, retarget, with_config
 from attngen.spec.validate import load_spec, parse_spec
+from attngen.spec.varlen import packed
 
 __all__ = [
     "CAUSAL_MASK",
@@ -16,6 +18,7 @@ __all__ = [
     "Param",
     "Spec",
     "load_spec",
+    "packed",
     "parse_spec",
     "retarget",
     "with_config",

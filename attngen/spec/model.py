@@ -72,6 +72,8 @@ class Spec:
     # An attention sink (gpt-oss): one logit per (batch, head) that joins every row's softmax
     # denominator and carries no value. None: no sink.
     sink: ir.Expr | None = None
+    # The packed form of a spec (attngen.spec.varlen): the generated modules add attention_varlen.
+    varlen: bool = False
 
     @property
     def value_dim(self) -> int:
