@@ -10,7 +10,9 @@ its [batch, seq, heads, head_dim] projections; the kernels read them in place, t
 heads as they are (no repeat_kv), and write the output in the [batch, seq, heads, head_dim] order
 the model reshapes next: no copies. The spec owns the mask: register a causal spec for a decoder,
 a sliding-window spec (param `window`) for sliding-window layers, a soft-capping spec (param
-`softcap`) for Gemma-style logits. What the kernels cannot honour is refused with a clear error,
+`softcap`) for Gemma-style logits, a spec with a learnable sink (`[sink] expr = "sinks[h]"`) for
+gpt-oss, whose layers pass their sinks (`s_aux`) to it. What the kernels cannot honour is refused
+with a clear error,
 never ignored: dropout, a padding mask, and queries shorter than the keys (generation from a
 cache: use the module's `attention_with_kvcache`). Under autocast, q, k and v are cast to its
 dtype first, as SDPA does (it must be the spec's).
@@ -55,6 +57,11 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
         if torch.is_autocast_enabled(device):  # as SDPA does: RoPE leaves Llama's q and k in float32
             query, key, value = (x.to(torch.get_autocast_dtype(device)) for x in (query, key, value))
         layer = dict(fixed)
+        sinks = kwargs.get("s_aux")  # gpt-oss: a learnable sink logit per head
+        if sinks is not None:
+            if not hasattr(module, "SINK_PARAM"):
+                raise ValueError("the model has attention sinks (s_aux), and the spec none: add [sink] expr = \"sinks[h]\"")
+            layer[module.SINK_PARAM] = sinks
         for hf_name, param in _PER_LAYER_PARAMS:
             value_of_layer = kwargs.get(hf_name)
             if value_of_layer is None:

@@ -1,14 +1,16 @@
 """Whole models through transformers' attention registry: attngen against SDPA and eager, on a GPU.
 
-Two models from configs, random weights (nothing is downloaded): GPT-2 small (12 layers, 12 heads
-of 64, 1k tokens) and a Llama-style model (grouped kv heads 16/4 of 128, RoPE, 2k tokens). Each
-trains with bf16 autocast over float32 weights and AdamW, under three attention implementations:
-attngen (`attngen.hf.register` with specs/causal.toml at the model's head dim), transformers'
-"sdpa" and "eager".
+Models from configs, random weights (nothing is downloaded): GPT-2 small (12 layers, 12 heads of
+64, 1k tokens), a Llama-style model (grouped kv heads 16/4 of 128, RoPE, 2k tokens) and a
+gpt-oss-style one (sliding-window and full layers, learnable sinks, mixture of experts; transformers
+offers it no SDPA, and FlashAttention has no backward for its sinks). Each trains with bf16
+autocast over float32 weights and AdamW, under attngen (`attngen.hf.register` with
+specs/causal.toml at the model's head dim; for gpt-oss, causal + window + sinks) and transformers'
+"sdpa" (where the model takes it) and "eager".
 
   1. Agreement: from the same weights and batch, the loss and the gradient of every weight under
      each implementation against float32 eager (no autocast, TF32 off). attngen passes when its
-     errors are at most twice the larger of SDPA's and eager's (the bf16 noise of the peers; for
+     errors are at most twice the largest of the peers' (their bf16 noise; for
      the loss, a single number, at least half a bf16 ulp of it).
   2. Speed and memory: `--steps` optimizer steps after three warm-up steps, per implementation;
      tokens/s and peak allocated memory over those steps.
@@ -32,16 +34,27 @@ from pathlib import Path
 import torch
 import transformers
 import triton
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attngen.hf
 from attngen import load
-from attngen.spec import load_spec, retarget
+from attngen.spec import load_spec, parse_spec, retarget
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPLS = ("attngen", "sdpa", "eager")
+# gpt-oss's attention: causal, a window on its sliding layers (full layers: no window), a sink per head.
+GPT_OSS_SPEC = """name = "gpt_oss"
+head_dim = 64
+dtype = "bfloat16"
+[mask]
+expr = "q_idx >= kv_idx and q_idx - kv_idx < window"
+[params]
+window = "int"
+sinks = "float[heads]"
+[sink]
+expr = "sinks[h]"
+"""
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,13 @@ class Model:
     head_dim: int
     batch: int
     seq: int
+    peers: tuple[str, ...] = ("sdpa", "eager")
+    spec: str | None = None  # spec text; None: specs/causal.toml at head_dim
+    params: dict | None = None  # the spec's params for every layer
+
+    @property
+    def impls(self) -> tuple[str, ...]:
+        return ("attngen", *self.peers)
 
 
 MODELS = (
@@ -63,6 +83,12 @@ MODELS = (
           LlamaConfig(num_hidden_layers=8, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                       intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096),
           head_dim=128, batch=4, seq=2048),
+    Model("gpt-oss-style", GptOssForCausalLM,
+          GptOssConfig(num_hidden_layers=8, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                       head_dim=64, intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2,
+                       vocab_size=32000, sliding_window=128, max_position_embeddings=4096,
+                       layer_types=["sliding_attention", "full_attention"] * 4),
+          head_dim=64, batch=4, seq=2048, peers=("eager",), spec=GPT_OSS_SPEC, params={"window": 1 << 30}),
 )  # fmt: skip
 
 
@@ -93,13 +119,13 @@ def agreement(model: Model, names: dict, tokens) -> dict:
     del reference
     ref_norm = torch.stack([g.norm() ** 2 for g in ref_grads]).sum().sqrt().item()
     errors = {}
-    for impl, m in zip(IMPLS, models(model, [names[i] for i in IMPLS]), strict=True):
+    for impl, m in zip(model.impls, models(model, [names[i] for i in model.impls]), strict=True):
         loss, grads = loss_and_grads(m, tokens, autocast=True)
         diff = torch.stack([(g - r).norm() ** 2 for g, r in zip(grads, ref_grads, strict=True)]).sum().sqrt().item()
         errors[impl] = {"loss": abs(loss - ref_loss), "grads": diff / ref_norm}
         del m, grads
         torch.cuda.empty_cache()
-    noise = {key: max(errors[peer][key] for peer in ("sdpa", "eager")) for key in ("loss", "grads")}
+    noise = {key: max(errors[peer][key] for peer in model.peers) for key in ("loss", "grads")}
     noise["loss"] = max(noise["loss"], 2**-9 * abs(ref_loss))  # one loss is one sample: at least half a bf16 ulp
     ok = all(errors["attngen"][key] <= 2 * noise[key] for key in noise)
     return {"reference_loss": ref_loss, "errors": errors, "ok": ok}
@@ -136,17 +162,17 @@ def training(model: Model, impl: str, tokens, steps: int) -> dict:
 
 
 def run_model(model: Model, steps: int) -> dict:
-    spec = retarget(load_spec(ROOT / "specs" / "causal.toml"), model.head_dim, "bfloat16")
-    names = {
-        "attngen": attngen.hf.register("attngen_causal", load(spec, "triton_gpu")),
-        "sdpa": "sdpa",
-        "eager": "eager",
-    }
+    if model.spec is None:
+        spec = retarget(load_spec(ROOT / "specs" / "causal.toml"), model.head_dim, "bfloat16")
+    else:
+        spec = parse_spec(model.spec, "bench/models.py")
+    names = {"attngen": attngen.hf.register(f"attngen_{spec.name}", load(spec, "triton_gpu"), model.params)}
+    names |= {peer: peer for peer in model.peers}
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.config.vocab_size, (model.batch, model.seq), generator=generator).cuda()
     result = {"model": model.name, "batch": model.batch, "seq": model.seq, "agreement": agreement(model, names, tokens)}
     result["training"] = {}
-    for impl in IMPLS:
+    for impl in model.impls:
         result["training"][impl] = training(model, names[impl], tokens, steps)
         torch.cuda.empty_cache()  # the model and optimizer of `training` are gone: measure the next alone
     return result
@@ -172,18 +198,20 @@ def main() -> None:
         print(f"{model.name}: {results[-1]}", flush=True)
         (out_dir / "results.json").write_text(json.dumps({"environment": env, "models": results}, indent=1))
     print(f"\n{env}\nerrors against float32 eager (loss: absolute; grads: relative norm); training: bf16 autocast")
-    header = f"{'model':12} {'impl':8} {'loss err':>9} {'grad err':>9} {'tokens/s':>9} {'peak GiB':>9} {'/sdpa':>6} {'/eager':>7}"
+    header = f"{'model':13} {'impl':8} {'loss err':>9} {'grad err':>9} {'tokens/s':>9} {'peak GiB':>9} {'/sdpa':>6} {'/eager':>7}"
     print(header)
     for r in results:
         train = r["training"]
-        for impl in IMPLS:
+        for impl in train:
             e, t = r["agreement"]["errors"][impl], train[impl]
-            speed = [t["tokens_per_s"] / train[peer]["tokens_per_s"] for peer in ("sdpa", "eager")]
+            speed = [
+                f"{t['tokens_per_s'] / train[p]['tokens_per_s']:.2f}" if p in train else "–" for p in ("sdpa", "eager")
+            ]
             print(
-                f"{r['model']:12} {impl:8} {e['loss']:9.2e} {e['grads']:9.2e} {t['tokens_per_s']:9.0f}"
-                f" {t['peak_gib']:9.2f} {speed[0]:6.2f} {speed[1]:7.2f}"
+                f"{r['model']:13} {impl:8} {e['loss']:9.2e} {e['grads']:9.2e} {t['tokens_per_s']:9.0f}"
+                f" {t['peak_gib']:9.2f} {speed[0]:>6} {speed[1]:>7}"
             )
-        print(f"{r['model']:12} attngen within twice the peers' error: {r['agreement']['ok']}")
+        print(f"{r['model']:13} attngen within twice the peers' error: {r['agreement']['ok']}")
 
 
 if __name__ == "__main__":

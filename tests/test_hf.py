@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import attngen.hf
 from tests import harness
@@ -98,3 +98,35 @@ def test_a_layers_sliding_window_needs_a_window_param():
     q = torch.randn(1, 2, 8, 32)
     with pytest.raises(ValueError, match="sliding_window=4, and the spec has no `window` param"):
         attention(None, q, q, q, None, sliding_window=4)
+
+
+def test_gpt_oss_trains_its_sinks_through_the_kernels():
+    """gpt-oss: sliding-window and full layers, learnable sinks passed by each layer (s_aux). A spec
+    with a window param and a sink trains it: loss and every gradient, the sinks' included, agree
+    with transformers' eager attention (which has the sinks too)."""
+    config = GptOssConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          hidden_size=64, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1,
+                          vocab_size=97, sliding_window=8, max_position_embeddings=64, initializer_range=0.3,
+                          layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    text = spec_toml("kv_idx <= q_idx and q_idx - kv_idx < window", head_dim=16, extra=('dtype = "float32"',))
+    text += '[params]\nwindow = "int"\nsinks = "float[heads]"\n[sink]\nexpr = "sinks[h]"\n'
+    module = harness.load_target(harness.spec_from_text(text), "triton_gpu")
+    name = attngen.hf.register("attngen_test_gpt_oss", module, params={"window": 1 << 20})  # full layers: no window
+    eager, ours = _models(GptOssForCausalLM, config, name)
+    for model in (eager, ours):
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=2.0, generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(5))
+    loss, grads = _loss_and_grads(ours, tokens)
+    ref_loss, ref_grads = _loss_and_grads(eager, tokens)
+    assert abs(loss.item() - ref_loss.item()) < 1e-5
+    for (param_name, _), grad, ref in zip(ours.named_parameters(), grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref, atol=2e-5, rtol=1e-4, msg=param_name)
+    assert any("sinks" in n for n, _ in ours.named_parameters())
+
+
+def test_a_model_with_sinks_needs_a_spec_with_one():
+    attention = attngen.hf.attention_function(_causal(32))
+    q = torch.randn(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="attention sinks \\(s_aux\\), and the spec none"):
+        attention(None, q, q, q, None, s_aux=torch.zeros(2))

@@ -29,6 +29,7 @@ PARAMS = {}
 TENSOR_PARAMS = {
     "sinks": (float, ("heads",)),
 }
+SINK_PARAM = "sinks"  # the tensor the sink reads as it is: a learnable sink per head
 # Those read at indices fixed for a whole program (b, h): scalar memory, like the scalar params.
 SMEM_TENSORS = ("sinks",)
 BLOCK_Q = 512

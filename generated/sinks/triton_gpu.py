@@ -71,6 +71,7 @@ PARAMS = {}
 TENSOR_PARAMS = {
     "sinks": (float, ("heads",)),
 }
+SINK_PARAM = "sinks"  # the tensor the sink reads as it is: a learnable sink per head
 BLOCK_D = 64  # head_dim padded to a power of two
 BLOCK_DV = 64  # head_dim_v padded to a power of two
 # Forward: BLOCK_M queries per program, BLOCK_N keys per step.
