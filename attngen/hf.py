@@ -60,7 +60,9 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
         sinks = kwargs.get("s_aux")  # gpt-oss: a learnable sink logit per head
         if sinks is not None:
             if not hasattr(module, "SINK_PARAM"):
-                raise ValueError("the model has attention sinks (s_aux), and the spec none: add [sink] expr = \"sinks[h]\"")
+                raise ValueError(
+                    'the model has attention sinks (s_aux), and the spec none: add [sink] expr = "sinks[h]"'
+                )
             layer[module.SINK_PARAM] = sinks
         for hf_name, param in _PER_LAYER_PARAMS:
             value_of_layer = kwargs.get(hf_name)
