@@ -658,17 +658,19 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
     page_size = k_cache.shape[2]
     capacity = block_table.shape[1] * page_size if block_table is not None else page_size
     position = cache_seqlens[:, None].long() + torch.arange(tokens, device=k.device)  # [batch, T_new]
-    if position.numel():
-        first, last = int(position.min()), int(position.max())
-        if first < 0 or last >= capacity:
-            raise ValueError(f"appending {tokens} tokens writes positions {first}..{last}; the cache holds 0..{capacity - 1}")
     if block_table is None:
         rows = (torch.arange(batch, device=k.device)[:, None].expand_as(position), position)
-    else:
-        pages = block_table.gather(1, position // page_size).long()
-        if pages.numel() and not 0 <= int(pages.min()) <= int(pages.max()) < k_cache.shape[0]:
-            raise ValueError(f"block_table names pages outside 0..{k_cache.shape[0] - 1} for the appended tokens")
+        extremes = [position.min(), position.max()] if position.numel() else []
+    else:  # (the table is read at clamped indices: a bad position must not index past it before the check)
+        pages = block_table.gather(1, (position // page_size).clamp(0, block_table.shape[1] - 1)).long()
         rows = (pages, position % page_size)
+        extremes = [position.min(), position.max(), pages.min(), pages.max()] if position.numel() else []
+    if extremes:  # one host synchronisation for every check
+        first, last, *page_range = torch.stack(extremes).tolist()
+        if first < 0 or last >= capacity:
+            raise ValueError(f"appending {tokens} tokens writes positions {first}..{last}; the cache holds 0..{capacity - 1}")
+        if page_range and not 0 <= page_range[0] <= page_range[1] < k_cache.shape[0]:
+            raise ValueError(f"block_table names pages outside 0..{k_cache.shape[0] - 1} for the appended tokens")
     with torch.no_grad():
         for cache, new in ((k_cache, k), (v_cache, v)):
             cache[rows[0], :, rows[1]] = new.transpose(1, 2)  # [batch, T_new, kv_heads, d] at (page, row)
