@@ -4,7 +4,8 @@ Pipeline (one module or folder per stage, data flows one way):
     spec/ (TOML -> Spec) -> lang/ (expressions -> AST -> typed IR, ir.py; ir_sympy.py)
     -> analysis/ (mask -> tile bounds per kernel, score -> derivative; sympy)
     -> plan.py (KernelPlan per target; each target and its kernels declared in backends/)
-    -> build.py (templates/ -> generated/<name>/) -> check/ (ahead-of-time compile), tune.py.
+    -> build.py (templates/ -> generated/<name>/) -> check/ (ahead-of-time compile), tune.py;
+    parallel/ runs a spec's sharded form (spec/sharded.py) over devices (context parallelism).
 reference.py is the float64 oracle, exactness.py the rule that judges kernels against it.
 """
 

@@ -4,9 +4,11 @@ The newest T tokens of each of B sequences (T = 1: decoding; T = 4, 16: speculat
 against a cache of L keys per sequence, H query heads over H_kv kv heads (GQA), bf16, D = 128.
 Ours: `attention_with_kvcache` of specs/causal.toml (queries at positions L - T .. L - 1, causal
 among themselves), on a contiguous cache and on paged caches (16- and 256-token pages, pages in
-random order). Peers, same inputs: torch SDPA's FlashAttention-2 and cuDNN backends and compiled
-FlexAttention, each over the contiguous cache with `enable_gqa` and no mask (for T > 1 the causal
-mask among the T new tokens is omitted there: T << L, the same work). Each row is first checked
+random order; also 128-token pages, FlexAttention's). Peers, same inputs: torch SDPA's
+FlashAttention-2 and cuDNN backends and compiled FlexAttention, each over the contiguous cache with
+`enable_gqa` and no mask (for T > 1 the causal mask among the T new tokens is omitted there: T << L,
+the same work), and FlexAttention's paged attention (torch's PagedAttention: 128-token pages, one
+per kv block of its block mask, allocated in random order). Each row is first checked
 against a float64 reference by attngen.exactness's rule; then timed with triton.testing.do_bench
 (median). GB/s count the K and V bytes read once (B * H_kv * L * 2 * D * 2 bytes) per call; % peak
 is against a device-to-device copy measured in the same run.
@@ -115,7 +117,9 @@ def main() -> None:
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, spec.head_dim
     names = list(rows[0]["impls"])
     print(f"\nGB/s of K+V read (% of the {peak:.0f} GB/s copy); B={B}, H={H}, H_kv={Hkv}, D={D}, bf16")
-    print(f"{'L':>7} {'T':>3} " + " ".join(f"{n:>16}" for n in names) + "  ours/FA2 ours/cuDNN ours/Flex")
+    print(
+        f"{'L':>7} {'T':>3} " + " ".join(f"{n:>16}" for n in names) + "  ours/FA2 ours/cuDNN ours/Flex paged/Flex-paged"
+    )
     for r in rows:
         cells = []
         for n in names:
@@ -125,21 +129,22 @@ def main() -> None:
                 if "gb_s" in x
                 else f"{'ERR':>16}"
             )
-        ratios = [_ratio(r["impls"], peer) for peer in ("FA2", "cuDNN", "Flex")]
+        ratios = [_ratio(r["impls"], "ours", peer) for peer in ("FA2", "cuDNN", "Flex")]
+        ratios.append(_ratio(r["impls"], f"ours paged {FLEX_PAGE}", f"Flex paged {FLEX_PAGE}"))
         print(
             f"{r['len']:7d} {r['new_tokens']:3d} "
             + " ".join(f"{c:>16}" for c in cells)
-            + "  {:>8} {:>10} {:>9}".format(*ratios)
+            + "  {:>8} {:>10} {:>9} {:>17}".format(*ratios)
         )
     print("!: not exact by attngen.exactness's rule")
 
 
-def _ratio(impls, peer):
-    ours, theirs = impls["ours"], impls[peer]
+def _ratio(impls, name, peer):
+    ours, theirs = impls[name], impls[peer]
     return f"{ours['gb_s'] / theirs['gb_s']:.2f}" if "gb_s" in ours and "gb_s" in theirs else "–"
 
 
-def impls(module, flex, q, k, v, lens, pages):
+def impls(module, flex, q, k, v, lens, pages, flex_paged):
     """Each implementation's call on the same inputs."""
 
     def paged_call(size):
@@ -149,18 +154,59 @@ def impls(module, flex, q, k, v, lens, pages):
     return {
         "ours": lambda: module.attention_with_kvcache(q, k, v, lens),
         "ours paged 16": paged_call(16),
+        "ours paged 128": paged_call(FLEX_PAGE),
         "ours paged 256": paged_call(256),
         "FA2": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v),
         "cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v),
         "Flex": lambda: flex(q, k, v, enable_gqa=True),
+        "Flex paged 128": flex_paged(q),
     }
+
+
+# FlexAttention's paged attention maps its block mask's kv blocks onto pages: a page is one kv block.
+FLEX_PAGE = 128
+
+
+def flex_paged_attention(flex, k, v, generator):
+    """FlexAttention's paged attention (torch.nn.attention.experimental's PagedAttention) over the same
+    K/V, pages allocated in a random order: a function of q giving the call to time."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, kv_heads, length, dim = k.shape
+    n_pages = batch * length // FLEX_PAGE
+    paging = PagedAttention(n_pages, FLEX_PAGE, batch, device="cuda")
+    paging.empty_pages = torch.randperm(n_pages, generator=generator).tolist()
+    for b in range(batch):
+        paging.reserve(torch.tensor(b, device="cuda"), torch.tensor(length, device="cuda"))
+    k_cache, v_cache = (
+        torch.empty(1, kv_heads, n_pages * FLEX_PAGE, dim, device="cuda", dtype=k.dtype) for _ in range(2)
+    )
+    positions = torch.arange(length, device="cuda").expand(batch, length)
+    paging.assign(torch.arange(batch, device="cuda"), positions, k, v, k_cache, v_cache)
+
+    def call(q):
+        logical = create_block_mask(
+            lambda b, h, q_idx, kv_idx: kv_idx >= 0,
+            batch,
+            None,
+            q.shape[2],
+            length,
+            device="cuda",
+            BLOCK_SIZE=FLEX_PAGE,
+        )
+        mask = paging.convert_logical_block_mask(logical)
+        return lambda: flex(q, k_cache, v_cache, block_mask=mask, enable_gqa=True)
+
+    return call
 
 
 def measure(module, flex, args, head_dim, length, generator):
     """The rows of one cache length: each number of new tokens, each implementation."""
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, head_dim
     k, v = (torch.randn(B, Hkv, length, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    pages = {size: paged(k, v, size, generator) for size in (16, 256)}
+    pages = {size: paged(k, v, size, generator) for size in (16, FLEX_PAGE, 256)}
+    flex_paged = flex_paged_attention(flex, k, v, generator)
     lens = torch.full((B,), length, dtype=torch.int32, device="cuda")
     bytes_read = B * Hkv * length * 2 * D * 2
     for new_tokens in map(int, args.tokens.split(",")):
@@ -169,7 +215,7 @@ def measure(module, flex, args, head_dim, length, generator):
         exact = reference(q[:2], k[:2], v[:2], torch.float64)
         baseline = (reference(q[:2], k[:2], v[:2], torch.bfloat16) - exact).abs().max().item()
         row = {"len": length, "new_tokens": new_tokens, "batch": B, "heads": H, "kv_heads": Hkv, "impls": {}}
-        for name, fn in impls(module, flex, q, k, v, lens, pages).items():
+        for name, fn in impls(module, flex, q, k, v, lens, pages, flex_paged).items():
             try:
                 out = fn()
                 err = (out[:2].double() - exact).abs().max().item()

@@ -276,3 +276,59 @@ def test_varlen_on_the_gpu():
     verdict = judge("bfloat16", errors, {"out": (base_out.double() - ref_out).abs().max().item()})
     assert verdict.ok, verdict.message
     assert_grads("bfloat16", ours, ref, base)
+
+
+CONTEXT_PARALLEL = [
+    ("causal", "ring", "zigzag"),
+    ("sliding_window", "ring", "contiguous"),
+    ("document", "allgather", "zigzag"),
+]
+CP_HEADS, CP_KV_HEADS, CP_LENGTH = 8, 2, 4097  # GQA; a length two ranks cannot split evenly
+
+
+def _cp_problem(name):
+    spec = load_spec(f"specs/{name}.toml")
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    shapes = [(1, CP_HEADS, CP_LENGTH, spec.head_dim), *[(1, CP_KV_HEADS, CP_LENGTH, spec.head_dim)] * 2]
+    q, k, v, dout = (
+        torch.randn(s, device="cuda", generator=generator).to(torch.bfloat16) for s in [*shapes, shapes[0]]
+    )
+    return spec, (q, k, v, dout), _params(name, 1, CP_HEADS, CP_LENGTH, CP_LENGTH, seed=3)
+
+
+def _cp_rank(rank, world, port, out_dir):
+    import os
+
+    import torch.distributed as dist
+
+    from attngen.parallel.torch_distributed import ContextParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # NCCL refuses two ranks on one GPU
+    for name, mode, layout in CONTEXT_PARALLEL:
+        spec, (q, k, v, dout), params = _cp_problem(name)
+        cp = ContextParallel(spec, mode=mode, layout=layout)
+        leaves = [cp.shard(x).requires_grad_() for x in (q, k, v)]
+        out, lse = cp.attention(*leaves, return_lse=True, **params)
+        (out.float() * cp.shard(dout)).sum().backward()
+        got = [cp.unshard(t.detach()).cpu() for t in (out, lse, *(x.grad for x in leaves))]
+        if rank == 0:
+            torch.save(got, f"{out_dir}/{name}.pt")
+    dist.destroy_process_group()
+
+
+def test_context_parallel_over_two_processes_on_the_gpu(tmp_path):
+    """attngen.parallel's ring and all-gather over two gloo processes sharing this GPU: the GPU
+    kernels (Hopper ones on an H200) on sharded bf16 sequences, exact by the same rule."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_cp_rank, args=(2, port, str(tmp_path)), nprocs=2)
+    for name, _, _ in CONTEXT_PARALLEL:
+        spec, inputs, params = _cp_problem(name)
+        out, lse, *grads = (t.cuda() for t in torch.load(tmp_path / f"{name}.pt"))
+        _assert_exact(spec, params, inputs, out, lse, grads)

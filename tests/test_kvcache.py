@@ -3,6 +3,8 @@ cache, contiguous or paged, split over programs or not, with grouped query heads
 float64 reference of attention over the whole sequence (its last rows) -- the same problems on
 both targets: the Triton interpreter and Pallas in TPU interpret mode."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -305,3 +307,54 @@ def test_new_keys_are_appended_then_attended(paged):
         module.attention_with_kvcache(q, k_cache, v_cache, lens, k=k, block_table=table)
     with pytest.raises(ValueError, match="k has shape"):
         module.attention_with_kvcache(q, k_cache, v_cache, lens, k=k[:, :1], v=v, block_table=table)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_new_keys_are_appended_then_attended_on_pallas(paged):
+    """The Pallas append: jax arrays do not change, so the updated caches come back with the output,
+    equal to writing the tokens by hand first; an append past the pages raises (concrete lengths) or
+    is dropped (traced ones, under jit)."""
+    import jax
+    import jax.numpy as jnp
+
+    spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
+    module = harness.load_target(spec, "pallas_tpu")
+    batch, heads, kv_heads, tokens, page_size, pages = 2, 4, 2, 3, 16, 4
+    rng = np.random.default_rng(0)
+    shape = (batch * pages, kv_heads, page_size, 32) if paged else (batch, kv_heads, pages * page_size, 32)
+    k_cache, v_cache = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    table = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32) if paged else None
+    lens = np.array([10, 61], np.int32)  # the second fills its last page exactly
+    q = rng.standard_normal((batch, heads, tokens, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, kv_heads, tokens, 32)).astype(np.float32) for _ in range(2))
+
+    def by_hand(lens):
+        k_hand, v_hand = k_cache.copy(), v_cache.copy()
+        for b, t in itertools.product(range(batch), range(tokens)):
+            position = int(lens[b]) + t
+            if position < pages * page_size:  # (past the pages: dropped)
+                where = (int(table[b, position // page_size]), position % page_size) if paged else (b, position)
+                k_hand[where[0], :, where[1]], v_hand[where[0], :, where[1]] = k[b, :, t], v[b, :, t]
+        return k_hand, v_hand
+
+    table = None if table is None else jnp.asarray(table)
+    call = lambda lens, **kw: module.attention_with_kvcache(
+        q, k_cache, v_cache, lens, k=k, v=v, block_table=table, interpret=True, **kw
+    )
+    k_hand, v_hand = by_hand(lens)
+    expected = module.attention_with_kvcache(
+        q, k_hand, v_hand, jnp.asarray(lens + tokens), block_table=table, interpret=True
+    )
+    out, new_k, new_v = call(jnp.asarray(lens))
+    np.testing.assert_array_equal(new_k, k_hand)
+    np.testing.assert_array_equal(new_v, v_hand)
+    np.testing.assert_array_equal(out, expected)
+    out, lse, new_k, _ = jax.jit(lambda lens: call(lens, return_lse=True))(jnp.asarray(lens))
+    np.testing.assert_array_equal(new_k, k_hand)
+    assert lse.shape == (batch, heads, tokens)
+    with pytest.raises(ValueError, match="writes positions 11..64; the cache holds 0..63"):
+        call(jnp.asarray(lens + 1))
+    _, dropped_k, _ = jax.jit(call)(jnp.asarray(lens + 1))  # traced: the token past the pages goes nowhere
+    np.testing.assert_array_equal(dropped_k, by_hand(lens + 1)[0])
+    with pytest.raises(ValueError, match="together"):
+        module.attention_with_kvcache(q, k_cache, v_cache, jnp.asarray(lens), k=k, block_table=table, interpret=True)

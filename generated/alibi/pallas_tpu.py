@@ -396,7 +396,39 @@ def _decode(q, k_cache, v_cache, prefetch, gathered, interpret):
     return out.reshape(batch, heads, new_tokens, HEAD_DIM_V), lse.reshape(batch, heads, new_tokens)
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, return_lse=False, interpret=False, **params):
+def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
+    """The caches with k and v, [batch, kv_heads, T_new, d], written at positions cache_seqlens[b] + t
+    of each sequence, and the lengths with them. With concrete lengths an append past a sequence's
+    pages (or into a page the block table does not have) raises before anything is written; traced
+    ones (under jit) cannot be checked, and writes outside the cache are dropped."""
+    _check_append(k, v, k_cache, v_cache, cache_seqlens)
+    k_cache, v_cache, cache_seqlens = jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(cache_seqlens)
+    batch, tokens = k.shape[0], k.shape[2]
+    page_size = k_cache.shape[2]
+    capacity = block_table.shape[1] * page_size if block_table is not None else page_size
+    position = cache_seqlens[:, None] + jnp.arange(tokens, dtype=jnp.int32)  # [batch, T_new]
+    if block_table is None:
+        pages, rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], position.shape), position
+    else:  # (the table is read at clamped indices: a bad position must not index past it)
+        pages = jnp.take_along_axis(block_table, jnp.clip(position // page_size, 0, block_table.shape[1] - 1), axis=1)
+        rows = position % page_size
+    if position.size and not isinstance(position, jax.core.Tracer):
+        first, last = int(position.min()), int(position.max())
+        if first < 0 or last >= capacity:
+            raise ValueError(f"appending {tokens} tokens writes positions {first}..{last}; the cache holds 0..{capacity - 1}")
+        if block_table is not None and not 0 <= int(pages.min()) <= int(pages.max()) < k_cache.shape[0]:
+            raise ValueError(f"block_table names pages outside 0..{k_cache.shape[0] - 1} for the appended tokens")
+    pages = jnp.where((position >= 0) & (position < capacity), pages, k_cache.shape[0])  # past the cache: dropped
+    k_cache, v_cache = (
+        cache.at[pages, :, rows].set(new.transpose(0, 2, 1, 3), mode="drop")  # [batch, T_new, kv_heads, d] at (page, row)
+        for cache, new in ((k_cache, k), (v_cache, v))
+    )
+    return k_cache, v_cache, cache_seqlens + tokens
+
+
+def attention_with_kvcache(
+    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, scale=None, return_lse=False, interpret=False, **params
+):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `alibi`; inference only (not differentiable).
 
@@ -412,6 +444,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         v_cache: like k_cache, 128 wide.
         cache_seqlens: int32 [batch], each sequence's length in the cache (the new tokens included);
             clamped into [0, capacity]. A sequence shorter than T leaves its first queries without keys.
+        k, v: new keys and values to append first, [batch, kv_heads, T_new, 128] and [..., 128]
+            (FlashAttention's flash_attn_with_kvcache), at positions cache_seqlens[b] .. cache_seqlens[b] +
+            T_new - 1, so that cache_seqlens counts the tokens cached before them. jax arrays do not
+            change: the updated caches are returned too (in place under jit with the caches donated).
         block_table: int32 [batch, max_pages] (paged caches): the pages of each sequence, in order;
             an index past the pages reads the last page.
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
@@ -421,8 +457,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
 
     Returns:
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
+        With k and v: (out[, lse], k_cache, v_cache), the caches holding the appended tokens.
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+    appended = k is not None or v is not None
+    if appended:
+        k_cache, v_cache, cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v)
     capacity = block_table.shape[1] * k_cache.shape[2] if block_table is not None else k_cache.shape[2]
     prefetch, scalar_values, tensors = _prefetched(params, scale)
     if q.size == 0 or capacity == 0:
@@ -433,7 +473,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         prefetch = (*prefetch, cache_seqlens, table)
         gathered = ()
         out, lse = _decode(q, k_cache, v_cache, prefetch, gathered, interpret)
-    return (out, lse) if return_lse else out
+    results = (out, lse) if return_lse else (out,)
+    if appended:
+        results += (k_cache, v_cache)
+    return results if len(results) > 1 else out
 
 
 def _query_head_and_block(h_kv, step, group, q_len):
@@ -603,10 +646,42 @@ def attention(q, k, v, *, scale=None, return_lse=False, interpret=False, layout=
         out = jnp.zeros((*q.shape[:3], HEAD_DIM_V), q.dtype)
         lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
     else:
-        gathered = ()
-        out, lse = _attention(q, k, v, prefetch, gathered, interpret)
+        out, lse = _attention(q, k, v, *_kernel_operands(q, k, prefetch, scalar_values, tensors), interpret)
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
+
+
+def attention_forward(q, k, v, *, scale=None, interpret=False, **params):
+    """The forward kernels alone, outside jax's autodiff: (out, lse) as `attention(..., return_lse=True)`
+    gives them, for [batch, heads, seq, head_dim] q, k, v holding at least one query and key.
+
+    With attention_backward, for callers that differentiate a larger computation themselves: ring
+    attention (attngen.parallel) runs a row's keys block by block, merges the blocks' outputs by
+    their LSEs, and gets each block's gradients from the merged out and lse.
+    """
+    prefetch, gathered = _checked_operands(q, k, v, scale, params)
+    return _forward(q, k, v, prefetch, gathered, interpret)
+
+
+def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, interpret=False, **params):
+    """(dq, dk, dv) of attention over q, k, v given the gradients of its out and lse, and
+    out and lse themselves: those of the whole row when k and v are one block of its keys (see
+    attention_forward)."""
+    prefetch, gathered = _checked_operands(q, k, v, scale, params)
+    return _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
+
+
+def _checked_operands(q, k, v, scale, params):
+    _check_inputs(q, k, v)
+    if q.size == 0 or k.shape[2] == 0:
+        raise ValueError(f"attention_forward and attention_backward take at least one query and key, got q {q.shape}, k {k.shape}")
+    return _kernel_operands(q, k, *_prefetched(params, scale))
+
+
+def _kernel_operands(q, k, prefetch, scalar_values, tensors):
+    """The kernels' operands after q, k, v: the scalar-prefetch ones and the gathered arrays."""
+    gathered = ()
+    return prefetch, gathered
 
 
 def _prefetched(params, scale):
@@ -650,6 +725,11 @@ def _check_params(params):
     scalars = {}
     for name, kind in PARAMS.items():
         value = params[name]
+        if isinstance(value, jax.Array) and value.shape == ():  # a traced scalar (under jit, shard_map)
+            if value.dtype != (jnp.int32 if kind is int else jnp.float32):
+                raise TypeError(f"param {name} must be a {'int32' if kind is int else 'float32'} scalar, got {value.dtype}")
+            scalars[name] = value  # its value is unknown until it runs: in range is the caller's to keep
+            continue
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"param {name} must be an int, got {value!r}")
         if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -711,3 +791,16 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
             raise TypeError(f"{name} must be an int32 array, got {getattr(t, 'dtype', type(t).__name__)}")
         if t.ndim != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
+
+
+def _check_append(k, v, k_cache, v_cache, cache_seqlens):
+    """The new keys and values of attention_with_kvcache's append: both given, [batch, kv_heads,
+    T_new, head_dim] of the caches' dtype."""
+    if k is None or v is None:
+        raise ValueError("pass the new keys and values together: k and v")
+    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if getattr(new, "ndim", None) != 4 or new.dtype != cache.dtype:
+            raise ValueError(f"{name} must be a 4-D array of the caches' dtype ({cache.dtype})")
+        if tuple(new.shape) != (cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]):
+            raise ValueError(f"{name} has shape {tuple(new.shape)}; expected [batch, kv_heads, T_new, head_dim] = "
+                             f"{[cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]]}")

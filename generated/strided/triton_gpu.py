@@ -632,14 +632,7 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
     """Write k and v, [batch, kv_heads, T_new, d], at positions cache_seqlens[b] + t of each sequence's
     cache; returns the lengths with them. Checked first (one host sync): nothing is written past a
     sequence's pages, or into a page the block table does not have."""
-    if k is None or v is None:
-        raise ValueError("pass the new keys and values together: k and v")
-    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if not isinstance(new, torch.Tensor) or new.dim() != 4 or new.dtype != cache.dtype or new.device != cache.device:
-            raise ValueError(f"{name} must be a 4-D tensor of the caches' dtype and device ({cache.dtype}, {cache.device})")
-        if new.shape != (cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]):
-            raise ValueError(f"{name} has shape {tuple(new.shape)}; expected [batch, kv_heads, T_new, head_dim] = "
-                             f"{[cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]]}")
+    _check_append(k, v, k_cache, v_cache, cache_seqlens)
     batch, tokens = k.shape[0], k.shape[2]
     page_size = k_cache.shape[2]
     capacity = block_table.shape[1] * page_size if block_table is not None else page_size
@@ -1399,6 +1392,31 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     return (out, lse) if return_lse else out
 
 
+def attention_forward(q, k, v, *, scale=None, **params):
+    """The forward kernels alone, without autograd: (out, lse) as `attention(..., return_lse=True)`
+    gives them, for [batch, heads, seq, head_dim] q, k, v.
+
+    With attention_backward, for callers that run their own backward: ring attention
+    (attngen.parallel) runs a row's keys block by block, merges the blocks' outputs by their LSEs,
+    and gets each block's gradients from the merged out and lse.
+    """
+    return _forward(q, k, v, *_checked_scale_and_params(q, k, v, scale, params))
+
+
+def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, **params):
+    """(dq, dk, dv) of attention over q, k, v given the gradients of its out and lse, and
+    out and lse themselves: those of the whole row when k and v are one block of its keys (see
+    attention_forward)."""
+    lse = lse.contiguous()  # the kernels index it as [batch * heads, q_len] (a slice of a longer row is not)
+    return _backward(dout, dlse, q, k, v, out, lse, *_checked_scale_and_params(q, k, v, scale, params))
+
+
+def _checked_scale_and_params(q, k, v, scale, params):
+    _check_inputs(q, k, v)
+    scalars, tensors = _check_params(params)
+    return float(1.0 / math.sqrt(HEAD_DIM) if scale is None else scale), [*scalars.values(), *tensors.values()]
+
+
 def merge_partials(out_a, lse_a, out_b, lse_b):
     """Attention over the union of two disjoint sets of keys, from the attention over each.
 
@@ -1497,3 +1515,16 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     if block_table is not None and block_table.stride(-1) != 1:
         raise ValueError("block_table must have a contiguous last dim")
+
+
+def _check_append(k, v, k_cache, v_cache, cache_seqlens):
+    """The new keys and values of attention_with_kvcache's append: both given, [batch, kv_heads,
+    T_new, head_dim] of the caches' dtype and device."""
+    if k is None or v is None:
+        raise ValueError("pass the new keys and values together: k and v")
+    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if not isinstance(new, torch.Tensor) or new.dim() != 4 or new.dtype != cache.dtype or new.device != cache.device:
+            raise ValueError(f"{name} must be a 4-D tensor of the caches' dtype and device ({cache.dtype}, {cache.device})")
+        if tuple(new.shape) != (cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]):
+            raise ValueError(f"{name} has shape {tuple(new.shape)}; expected [batch, kv_heads, T_new, head_dim] = "
+                             f"{[cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]]}")
