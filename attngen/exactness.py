@@ -46,6 +46,11 @@ GRADIENTS = ("dq", "dk", "dv")
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
+def is_gradient(name: str) -> bool:
+    """Whether a judged quantity is a gradient: dq, dk, dv, or a param's (d + its name)."""
+    return name in GRADIENTS or name.startswith("d")
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """What `judge` (and the checks built on it) found.
@@ -97,7 +102,8 @@ def allowed_error(name: str, dtype: str, baseline_error: float | None = None, ma
     """The largest error the rule accepts for one quantity.
 
     Args:
-        name: "lse", a gradient ("dq", "dk", "dv"), or an output (any other name, e.g. "out").
+        name: "lse", a gradient ("dq", "dk", "dv", or "d" and a param's name: "dsinks"), or an
+            output (any other name, e.g. "out").
         dtype: The kernel's dtype.
         baseline_error: Max |baseline - reference| of the same-precision baseline; needed for
             fp16 and bf16 outputs and gradients, unused for fp32 and for the LSE.
@@ -114,7 +120,7 @@ def allowed_error(name: str, dtype: str, baseline_error: float | None = None, ma
         raise ValueError(f"no exactness rule for dtype {dtype!r} (known: {', '.join(FLOOR)})")
     if name == "lse":
         return LSE_RTOL * max(1.0, magnitude)
-    floor = GRAD_FLOOR[dtype] * max(1.0, magnitude) if name in GRADIENTS else FLOOR[dtype]
+    floor = GRAD_FLOOR[dtype] * max(1.0, magnitude) if is_gradient(name) else FLOOR[dtype]
     if dtype == "float32":
         return floor
     if baseline_error is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from attngen import ir
 from attngen.analysis import analyse_mask
-from attngen.analysis.derivative import score_derivative
+from attngen.analysis.derivative import param_gradients, score_derivative
 from attngen.analysis.tiles import TILE_VARS, TileBounds
 from attngen.backends.base import Backend, Kernel
 from attngen.backends.emit import Dialect, emit
@@ -65,6 +65,27 @@ class GatherPlan:
 
 
 @dataclass(frozen=True)
+class ParamGradPlan:
+    """A read of a tensor param the spec trains (attngen.analysis.derivative.ParamGradient), lowered."""
+
+    param: ParamPlan
+    derivative: str  # d(score')/d(read) in the target language, over a tile's pairs
+    indices: tuple[str, ...]  # the read's indices in the target language
+    positional: bool  # indices are the pair's own b, h, q_idx, kv_idx; else they read no position
+    axes: tuple[bool, bool]  # a positional read's: whether it reads b, h (its gradient sums the others)
+    derivative_reads_score: bool
+    slot: int  # its place among the trained reads: names its kernel arguments
+    gathered: int | None  # Pallas: its index among the gathered arrays (its gradient flows back through it)
+
+    @property
+    def kernel_args(self) -> tuple[str, ...]:
+        """What the dQ kernel writes its share to: per pair (positional), or per program with the
+        flat index of the element it read."""
+        own = f"PARAM_GRAD{self.slot}"
+        return (own,) if self.positional else (own, f"{own}_INDEX")
+
+
+@dataclass(frozen=True)
 class BoundsPlan:
     """Source of the column block ranges of one row block (see attngen.analysis.tiles)."""
 
@@ -96,6 +117,7 @@ class KernelPlan:
     # The float tensor param the sink reads as it is (`sinks[h]` of a float[heads] param, or
     # `sinks[b, h]` of a float[batch, heads] one): it gets the sink's gradient. None: no gradient.
     sink_param: ParamPlan | None
+    param_grads: tuple[ParamGradPlan, ...]  # the reads of trained tensor params ([grad] params), in order
     varlen: bool  # the spec's packed form: the module adds attention_varlen (attngen.spec.varlen)
     # Per kernel (by name): the column block ranges its loop walks (kv blocks per q block for the
     # forward and dQ, q blocks per kv block for dK/dV).
@@ -167,6 +189,17 @@ class KernelPlan:
         return tuple(p.kernel_name for p in self.scalars)
 
     @property
+    def trained_params(self) -> tuple[ParamPlan, ...]:
+        """The params the backward returns gradients for, in its order: the sink's, then [grad] params."""
+        sink = (self.sink_param,) if self.sink_param else ()
+        return sink + tuple({g.param.name: g.param for g in self.param_grads}.values())
+
+    @property
+    def grad_args(self) -> str:
+        """The dQ kernel's arguments for the trained reads, appended to an argument list."""
+        return "".join(f", {arg}" for g in self.param_grads for arg in g.kernel_args)
+
+    @property
     def kernel_tensors(self) -> tuple[ParamPlan, ...]:
         """The tensors the kernels take (Pallas: those in scalar memory)."""
         return tuple(p for p in self.tensors if p.kernel_args)
@@ -225,8 +258,9 @@ def _digest(spec: Spec, config: Any) -> str:
 _POSITIONS = ("b", "h", "q_idx", "kv_idx")
 
 
-def _gathered(exprs: list[ir.Expr]) -> dict[ir.Expr, ir.Expr]:
-    """Each load of exprs whose indices read q_idx or kv_idx -> the variable `gathered[i]`.
+def _gathered(exprs: list[ir.Expr], trained: frozenset[ir.Load] = frozenset()) -> dict[ir.Expr, ir.Expr]:
+    """Each load of exprs whose indices read q_idx or kv_idx, and each trained read (its gradient
+    flows back through the gathered array) -> the variable `gathered[i]`.
 
     A bool tensor's element is gathered as an int (0/1; its load in the bounds or a derivative is
     one already) and read as `gathered[i] != 0`: one array for both, and no bool arrays in VMEM.
@@ -235,7 +269,7 @@ def _gathered(exprs: list[ir.Expr]) -> dict[ir.Expr, ir.Expr]:
     for e in exprs:
         for load in ir.loads(e):
             held = dataclasses.replace(load, type=ir.Type.INT) if load.type is ir.Type.BOOL else load
-            if held not in out and ir.reads_positions(load):
+            if held not in out and (ir.reads_positions(load) or load in trained):
                 out[held] = ir.Var(held.type, f"gathered[{len(out)}]", ir.VarKind.PARAM)
             if load is not held and load not in out and held in out:
                 out[load] = ir.Compare(ir.Type.BOOL, "!=", out[held], ir.Const(ir.Type.INT, 0))
@@ -282,12 +316,20 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
     mask_reads = ir.variables(spec.mask) if spec.mask is not None else frozenset()
     data_mask = spec.mask is not None and any(ir.reads_positions(load) for load in ir.loads(spec.mask))
     tile_exprs = [e for e in (spec.mask, spec.score, score_grad, spec.sink) if e is not None]
-    gathered = _gathered(tile_exprs) if backend.gathers_position_loads else {}
+    trained = ()
+    if spec.grad_params and spec.score is not None:
+        shapes_of = {p.name: p.shape for p in spec.params}
+        trained = param_gradients(spec.score, params, shapes_of, spec.grad_params)
+    tile_exprs += [g.derivative for g in trained]
+    trained_loads = frozenset(g.load for g in trained)
+    gathered = _gathered(tile_exprs, trained_loads) if backend.gathers_position_loads else {}
     names |= {var.name: var.name for var in gathered.values() if isinstance(var, ir.Var)}
     mask, score, score_grad = (
         ir.substitute(e, gathered) if e is not None else None for e in (spec.mask, spec.score, score_grad)
     )
-    exprs = [e for e in (mask, score, score_grad, spec.sink) if e is not None]
+    trained_derivatives = [ir.substitute(g.derivative, gathered) for g in trained]
+    gathered_loads = [load for load, read in gathered.items() if isinstance(read, ir.Var)]  # gathered[i] reads the i-th
+    exprs = [e for e in (mask, score, score_grad, spec.sink, *trained_derivatives) if e is not None]
     for b in tile_bounds.values():
         exprs += [b.lo, b.hi, b.full_lo, b.full_hi]
     read_in_kernels = frozenset().union(*(ir.variables(e) for e in exprs))
@@ -328,6 +370,19 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         sink=lower(spec.sink) if spec.sink is not None else None,
         sink_text=spec_text(spec, "sink"),
         sink_param=next((p for p in param_plans if p.name == sink_read), None),
+        param_grads=tuple(
+            ParamGradPlan(
+                param=next(p for p in param_plans if p.name == g.load.tensor),
+                derivative=lower(derivative),
+                indices=tuple(lower(i) for i in g.load.indices),
+                positional=g.positional,
+                axes=tuple(any(isinstance(i, ir.Var) and i.name == v for i in g.load.indices) for v in ("b", "h")),
+                derivative_reads_score="score" in ir.variables(derivative),
+                slot=slot,
+                gathered=gathered_loads.index(g.load) if g.load in gathered_loads else None,
+            )
+            for slot, (g, derivative) in enumerate(zip(trained, trained_derivatives))
+        ),
         varlen=spec.varlen,
         bounds={name: _bounds_plan(b, lower) for name, b in tile_bounds.items()},
         op_name=f"{spec.name}_{_digest(spec, config)}",

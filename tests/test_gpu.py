@@ -332,3 +332,68 @@ def test_context_parallel_over_two_processes_on_the_gpu(tmp_path):
         spec, inputs, params = _cp_problem(name)
         out, lse, *grads = (t.cuda() for t in torch.load(tmp_path / f"{name}.pt"))
         _assert_exact(spec, params, inputs, out, lse, grads)
+
+
+TRAINED_BIAS = """
+name = "trained_bias"
+head_dim = 128
+dtype = "bfloat16"
+
+[mask]
+causal = true
+
+[score]
+expr = "score + slopes[h] * (kv_idx - q_idx) + bias[b, h, q_idx, kv_idx]"
+
+[params]
+slopes = "float[heads]"
+bias = "float[batch, heads, q_len, kv_len]"
+
+[grad]
+params = ["slopes", "bias"]
+
+# As specs/bias.toml: a float32 tile of the bias beside every score tile takes shared memory.
+[triton]
+block_n = 64
+num_stages = 2
+dkdv_num_stages = 2
+dq_num_stages = 2
+"""
+
+
+def test_trained_params_on_the_gpu():
+    """[grad] params on the GPU (the dQ kernel gathers them; on an H200 beside the Hopper dK/dV
+    kernel): a per-head slope and a full additive bias exact by the FlashAttention rule against
+    float64 (the reference in bf16 as the baseline), and bitwise the same on a second backward."""
+    from attngen.spec import parse_spec
+
+    spec = parse_spec(TRAINED_BIAS, "trained_bias.toml")
+    module = harness.load_target(spec, "triton_gpu")
+    batch, heads, length = 2, 8, 1537
+    q, k, v, dout = _inputs(spec, batch, heads, length, length, seed=9)
+    generator = torch.Generator(device="cuda").manual_seed(9)
+    params = {
+        "slopes": 0.05 * torch.rand(heads, device="cuda", generator=generator),
+        "bias": torch.randn(batch, heads, length, length, device="cuda", generator=generator),
+    }
+
+    def grads(fn, dtype=None):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        trained = {
+            n: t.detach().clone().double().requires_grad_()
+            if dtype is torch.float64
+            else t.detach().clone().requires_grad_()
+            for n, t in params.items()
+        }
+        out = fn(*leaves, **trained)
+        (out.float() * dout.float()).sum().backward()
+        return out.detach(), [x.grad for x in leaves] + [trained[n].grad for n in ("slopes", "bias")]
+
+    out, ours = grads(lambda *x, **p: module.attention(*x, **p))
+    _, again = grads(lambda *x, **p: module.attention(*x, **p))
+    assert all(torch.equal(a, b) for a, b in zip(ours, again)), "a second backward differs"
+    ref_out, ref = grads(lambda *x, **p: attention_ref_torch(spec, *x, dtype=torch.float64, **p)[0], torch.float64)
+    base_out, base = grads(lambda *x, **p: attention_ref_torch(spec, *x, dtype=torch.bfloat16, **p)[0])
+    names = ("out", "dq", "dk", "dv", "dslopes", "dbias")  # (out judged as an output, the rest as gradients)
+    judged = lambda out, grads: dict(zip(names, [out, *grads]))
+    assert_grads("bfloat16", judged(out, ours), judged(ref_out, ref), judged(base_out, base))

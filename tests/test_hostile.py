@@ -81,8 +81,8 @@ class Whitelist:
 
 def whitelist(spec: Spec) -> Whitelist:
     """The spec-free names plus what the spec adds: params as the kernels prefix them (and a
-    tensor's sizes and loader), its dtype (torch.<dtype>) and the custom-op names derived from its
-    name as names; its validated name, params and axis names, as written, as words in strings too."""
+    tensor's sizes and loader), its dtype (torch.<dtype>), the custom-op names derived from its
+    name and the names numbered after its trained reads as names; its validated name, params and axis names, as written, as words in strings too."""
     prefixed = {f"{backend.param_prefix}{p.name}" for backend in TARGETS for p in spec.params}
     for backend in TARGETS:  # a tensor param's kernel arguments, and its load helper where the target has one
         for p in spec.params:
@@ -90,11 +90,17 @@ def whitelist(spec: Spec) -> Whitelist:
                 name = f"{backend.param_prefix}{p.name}"
                 prefixed |= {*backend.tensor_args(name, len(p.shape)), f"load_{name}"}
     axes = {axis for p in spec.params for axis in p.shape if isinstance(axis, str)}
-    op_names = set()
+    op_names, trained = set(), set()
     for backend in TARGETS:
-        op_name = make_plan(spec, backend, spec_label(spec)).op_name
-        op_names |= {op_name, f"{op_name}_fwd", f"{op_name}_bwd"}
-    names = SPEC_FREE_NAMES | prefixed | op_names | {spec.dtype}
+        plan = make_plan(spec, backend, spec_label(spec))
+        op_names |= {plan.op_name, f"{plan.op_name}_fwd", f"{plan.op_name}_bwd"}
+        for g in plan.param_grads:  # a trained read's derivative helper, kernel arguments and sums
+            trained |= {
+                *g.kernel_args,
+                *(f"{stem}{g.slot}" for stem in ("_param_grad", "grad", "share")),
+                f"share{g.slot}_ref",
+            }
+    names = SPEC_FREE_NAMES | prefixed | op_names | trained | {spec.dtype}
     return Whitelist(names, names | SPEC_LANGUAGE_WORDS | {spec.name, *(p.name for p in spec.params)} | axes)
 
 

@@ -1,9 +1,12 @@
-"""Stage: score expression IR -> IR of its derivative d(score')/d(score), via sympy.
+"""Stage: score expression IR -> IR of its derivatives, via sympy: d(score')/d(score), and
+d(score')/d(read) for each read of a tensor param the spec trains ([grad] params).
 
 Goals: the backward pass needs f'(score) for a score modifier score' = f(score, q_idx, kv_idx,
-b, h, params). sympy differentiates the expression and simplifies the result; this pass turns it
-back into IR that both backends print like any other expression.
-Non-goals: gradients with respect to params (scalars and tensors alike are constants here).
+b, h, params), and a trained tensor's gradient needs the derivative by each of its reads. sympy
+differentiates the expression (a read is an opaque function of its indices) and simplifies the
+result; this pass turns it back into IR that both backends print like any other expression.
+Non-goals: gradients of scalar params, and of reads whose index varies inside a tile other than
+as the tile's own position (rel_bias[h, q_idx - kv_idx]: many pairs read one element).
 
 Subgradients at kinks are documented choices: abs'(0) = 0 (sign), max/min split 1/2 each at a
 tie (Heaviside(0) = 1/2), where(c, a, b)' = where(c, a', b') (the condition's boundary is ignored).
@@ -12,6 +15,7 @@ tie (Heaviside(0) = 1/2), where(c, a, b)' = where(c, a', b') (the condition's bo
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import reduce
 
 import sympy
@@ -44,6 +48,75 @@ def score_derivative(score: ir.Expr, params: dict[str, Type]) -> ir.Expr:
     # would turn 1 - tanh(x)**2 into 1/cosh(x)**2, which the language cannot spell).
     derivative = sympy.factor_terms(sympy.diff(to_sympy(score, symbols), SCORE))
     return _Converter(kinds).float(derivative)
+
+
+# A positional read names the problem's axes in this order, each with the size it must declare.
+_POSITIONAL_AXES = {"b": "batch", "h": "heads", "q_idx": "q_len", "kv_idx": "kv_len"}
+
+
+@dataclass(frozen=True)
+class ParamGradient:
+    """One read of a trained tensor param in the score: its share of the param's gradient is
+    sum over the (query, key) pairs of dL/d(score') * derivative, gathered at the read's index.
+
+    positional: its indices are the pair's own b, h, q_idx, kv_idx (each pair reads its own
+    element: the kernels write dL/d(score') * derivative per pair). Else its indices read no
+    position (slopes[h], bound[b]): one element per program, which sums its pairs."""
+
+    load: ir.Load
+    derivative: ir.Expr
+    positional: bool
+
+
+def param_gradients(
+    score: ir.Expr, params: dict[str, Type], shapes: dict[str, tuple], trained: tuple[str, ...]
+) -> tuple[ParamGradient, ...]:
+    """The reads of the `trained` tensor params in a score expression, each with its derivative."""
+    symbols = {
+        "score": SCORE,
+        **{n: sympy.Symbol(n, integer=True, nonnegative=True) for n in ir.INDEX_VARS},
+        **{n: sympy.Symbol(n, integer=True, positive=True) for n in ir.SIZE_VARS},
+        **{
+            n: sympy.Symbol(n, integer=True) if t is Type.INT else sympy.Symbol(n, real=True) for n, t in params.items()
+        },
+    }
+    kinds = {"score": VarKind.SCORE, **{n: VarKind.INDEX for n in ir.INDEX_VARS}, **{n: VarKind.PARAM for n in params}}
+    kinds |= {n: VarKind.SIZE for n in ir.SIZE_VARS}
+    expression = to_sympy(score, symbols)
+    gradients = []
+    for load in ir.loads(score):
+        if load.tensor not in trained:
+            continue
+        positional = _positional(load, shapes[load.tensor])
+        derivative = sympy.factor_terms(sympy.diff(expression, to_sympy(load, symbols)))
+        gradients.append(ParamGradient(load, _Converter(kinds).float(derivative), positional))
+    return tuple(gradients)
+
+
+def _positional(load: ir.Load, shape: tuple) -> bool:
+    """Whether a trained read is positional (see ParamGradient); raises for reads of neither kind."""
+    reads = frozenset().union(*(ir.variables(i) for i in load.indices))
+    if not reads & {"q_idx", "kv_idx"}:
+        return False
+    names = [i.name if isinstance(i, ir.Var) else None for i in load.indices]
+    axes = [_POSITIONAL_AXES.get(n) for n in names]
+    if (
+        None in axes
+        or "q_len" not in axes
+        or "kv_len" not in axes
+        or names != sorted(names, key=list(_POSITIONAL_AXES).index)
+    ):
+        raise DerivativeError(
+            f"param {load.tensor}: a trained tensor is read either at indices that read no position "
+            f"(e.g. {load.tensor}[h]) or at the pair's own (b, h,) q_idx, kv_idx in this order, "
+            f"e.g. {load.tensor}[b, h, q_idx, kv_idx]; this read has other indices"
+        )
+    if tuple(shape) != tuple(axes):
+        raise DerivativeError(
+            f"param {load.tensor}: read at [{', '.join(names)}], it must be declared "
+            f"float[{', '.join(axes)}] to be trained (each pair its own element), not float[{', '.join(map(str, shape))}]"
+        )
+    return True
 
 
 class _Converter:

@@ -294,6 +294,10 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     config.setdefault("sm90_backward", int(shape.dtype != "float32" and shape.widest > 64))
     # K and V tiles of 128 keys fit the ring for head dims up to 128; wider heads take 64 keys.
     config.setdefault("sm90_block_n", 128 if shape.widest <= 128 else 64)
+    # A gradient written per pair makes the dQ kernel store a float32 tile of block_m x block_n per
+    # step: with 64 keys a step at D = 128 it passes sm90's shared memory (257 KiB, `attngen check`).
+    if shape.per_pair_grads and "dq_block_n" not in table:
+        config["dq_block_n"] = min(config["dq_block_n"], 32)
     if table.keys() & set(TILE_KEYS) and not any(k.startswith("short_") for k in table):
         config["short_kv_len"] = 0
     return TritonConfig(**config)

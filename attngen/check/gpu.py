@@ -123,11 +123,13 @@ def _signature(module, kernel: Kernel, dtype: str):
             signature[name] = _nvmma_descriptor_type(dtype, constexpr_values[declared.rows], widths[declared.width])
         elif declared is not None:
             signature[name] = f"*{_ELEMENT[dtype]}" if declared.kind == "*in" else declared.kind
-        # What the spec adds after the declared arguments: block tables, then its params.
+        # What the spec adds after the declared arguments: block tables, its params, trained reads' outputs.
         elif name == "TABLES":  # block tables of a mask that reads tensors (_block_tables)
             signature[name], declared = "*i32", Arg("*i32", divisible=True)
         elif name.startswith("tables_stride_"):
             signature[name] = "i32"
+        elif name.startswith("PARAM_GRAD"):  # where the dQ kernel writes a trained read's gradient share
+            signature[name], declared = ("*i64" if name.endswith("_INDEX") else "*fp32"), Arg("*fp32", divisible=True)
         elif name.removeprefix("param_") in tensors:  # a tensor param's data
             signature[name] = {float: "*fp32", int: "*i32", bool: "*i1"}[tensors[name.removeprefix("param_")][0]]
             declared = Arg(signature[name], divisible=True)

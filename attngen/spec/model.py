@@ -74,6 +74,8 @@ class Spec:
     sink: ir.Expr | None = None
     # The packed form of a spec (attngen.spec.varlen): the generated modules add attention_varlen.
     varlen: bool = False
+    # Float tensor params the backward returns gradients for ([grad] params): trained biases, slopes.
+    grad_params: tuple[str, ...] = ()
 
     @property
     def value_dim(self) -> int:
@@ -85,10 +87,15 @@ class Spec:
         return self.configs[target]
 
 
+def per_pair_grads(score: ir.Expr | None, grad_params: tuple[str, ...]) -> bool:
+    """Whether the score reads a trained tensor at each position (its gradient is written per pair)."""
+    return score is not None and any(l.tensor in grad_params and ir.reads_positions(l) for l in ir.loads(score))
+
+
 def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:
     """The spec at another head_dim and dtype, each target's unset keys re-defaulted (for tools
     that sweep shapes, such as the benchmarks)."""
-    shape = ProblemShape(head_dim, spec.head_dim_v or head_dim, dtype)
+    shape = ProblemShape(head_dim, spec.head_dim_v or head_dim, dtype, per_pair_grads(spec.score, spec.grad_params))
     configs = {t.name: t.make_config(spec.tables[t.name], shape, _refuse) for t in TARGETS}
     return replace(spec, head_dim=head_dim, dtype=dtype, configs=configs)
 

@@ -32,6 +32,7 @@ SCHEMA: dict[str | None, dict[str, tuple[type | tuple[type, ...], str]]] = {
     "mask": {"causal": ((bool, str), 'true, false, "top_left" or "bottom_right"'), "expr": (str, "a string")},
     "score": {"expr": (str, "a string")},
     "sink": {"expr": (str, "a string")},
+    "grad": {"params": (list, "an array of param names")},
     **{target.config_table: {key: (int, "an integer") for key in target.config_keys} for target in TARGETS},
 }
 TABLES = (*(t for t in SCHEMA if t is not None), "params")

@@ -24,7 +24,7 @@ from attngen.backends.base import ProblemShape
 from attngen.errors import Diagnostic, Location, SpecError, shown
 from attngen.lang import parser
 from attngen.lang.typecheck import Scope, typecheck
-from attngen.spec.model import CAUSAL_MASKS, DTYPES, MAX_SPEC_BYTES, Spec
+from attngen.spec.model import CAUSAL_MASKS, DTYPES, MAX_SPEC_BYTES, Spec, per_pair_grads
 from attngen.spec.positions import Locator, Spot, TomlPositions
 from attngen.spec.schema import (
     NAME_RE,
@@ -252,8 +252,33 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
                     "read it in the [mask], [score] or [sink] expr, or remove it",
                 )
 
+    grad_params = v.typed(v.table(data, "grad"), "grad").get("params", [])
+    declared = {p.name: p for p in params}
+    for pname in grad_params:
+        problem = None
+        if not isinstance(pname, str) or pname not in declared:
+            problem = f"{described(pname)} is not a declared param"
+        elif not declared[pname].is_tensor or declared[pname].type is not ir.Type.FLOAT:
+            problem = f"`{pname}` is {declared[pname].declared}: only float tensors get gradients"
+        elif pname in (sink_names or ()):
+            problem = f"`{pname}` is read by the [sink] expr, and gets its gradient through the sink already"
+        elif score_names is not None and pname not in score_names:
+            problem = f"`{pname}` is not read in the [score] expr"
+        if problem:
+            v.error(
+                f"[grad] params: {problem}",
+                loc.key("grad", "params"),
+                "list float tensor params the [score] expr reads",
+            )
+    if len(set(map(str, grad_params))) != len(grad_params):
+        v.error("[grad] params names a param twice", loc.key("grad", "params"))
+
     # Each target checks its own table; what depends on the shape, only once the shape is valid.
-    shape = ProblemShape(head_dim, top.get("head_dim_v") or head_dim, dtype) if not v.problems else None
+    shape = None
+    if not v.problems:
+        shape = ProblemShape(
+            head_dim, top.get("head_dim_v") or head_dim, dtype, per_pair_grads(score, tuple(grad_params))
+        )
     tables, configs = {}, {}
     for target in TARGETS:
         tables[target.name] = v.typed(v.table(data, target.config_table), target.config_table)
@@ -275,6 +300,7 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         sha256=sha256,
         mask_source=mask_source,
         sink=sink,
+        grad_params=tuple(grad_params),
     )
 
 

@@ -278,7 +278,7 @@ def _dq_kv_blocks(
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_num_heads), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])  # dL/d(score')
         ds = ds * _score_grad(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq

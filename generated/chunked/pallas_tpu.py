@@ -177,7 +177,7 @@ def _dq_kernel(int_ref, float_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
         if masked:
             p = jnp.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, *params), p, 0.0)
         dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta)
+        ds = p * (dp - delta)  # dL/d(score')
         dq_scratch[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
     _run_tile(kv_block, kv_lo, kv_hi, full_lo, full_hi, accumulate)
@@ -583,7 +583,8 @@ def _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret):
         kv_len=kv_len,
         group=group,
     )(*operands)
-    return dq, dk, dv
+    d_gathered = [None] * len(gathered)  # (no trained read: no gathered array gets a cotangent)
+    return dq, dk, dv, tuple(d_gathered)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -599,8 +600,9 @@ def _attention_fwd(q, k, v, prefetch, gathered, interpret):
 def _attention_bwd(interpret, residuals, cotangents):
     q, k, v, prefetch, gathered, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
-    return dq, dk, dv, (None,) * len(prefetch), (None,) * len(gathered)  # params and scale get no gradient
+    dq, dk, dv, d_gathered = _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
+    # Params and the scale get no gradient.
+    return dq, dk, dv, (None,) * len(prefetch), d_gathered
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -653,15 +655,20 @@ def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, interpret=F
     """(dq, dk, dv) of attention over q, k, v given the gradients of its out and lse, and
     out and lse themselves: those of the whole row when k and v are one block of its keys (see
     attention_forward)."""
-    prefetch, gathered = _checked_operands(q, k, v, scale, params)
-    return _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
+    prefetch, gathered = _kernel_operands(q, k, *_checked_params(q, k, v, scale, params))
+    dq, dk, dv, *sink, _ = _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
+    return dq, dk, dv, *sink
 
 
 def _checked_operands(q, k, v, scale, params):
+    return _kernel_operands(q, k, *_checked_params(q, k, v, scale, params))
+
+
+def _checked_params(q, k, v, scale, params):
     _check_inputs(q, k, v)
     if q.size == 0 or k.shape[2] == 0:
         raise ValueError(f"attention_forward and attention_backward take at least one query and key, got q {q.shape}, k {k.shape}")
-    return _kernel_operands(q, k, *_prefetched(params, scale))
+    return _prefetched(params, scale)
 
 
 def _kernel_operands(q, k, prefetch, scalar_values, tensors):

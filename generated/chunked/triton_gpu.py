@@ -279,7 +279,7 @@ def _dq_kv_blocks(
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_chunk), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])  # dL/d(score')
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 

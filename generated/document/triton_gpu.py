@@ -305,7 +305,7 @@ def _dq_kv_blocks(
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_seg_q, param_seg_q_size0, param_seg_q_size1, param_seg_kv, param_seg_kv_size0, param_seg_kv_size1), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])  # dL/d(score')
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 

@@ -298,7 +298,7 @@ def _dq_kv_blocks(
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])  # dL/d(score')
         ds = ds * _score_grad(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq

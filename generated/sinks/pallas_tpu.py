@@ -30,6 +30,10 @@ TENSOR_PARAMS = {
     "sinks": (float, ("heads",)),
 }
 SINK_PARAM = "sinks"  # the tensor the sink reads as it is: a learnable sink per head
+# The params the backward returns gradients for (the sink's, then [grad] params), and every param's
+# name in the kernels' order (the autograd functions take them so).
+TRAINED_PARAMS = ("sinks",)
+PARAM_NAMES = ("sinks",)
 # Those read at indices fixed for a whole program (b, h): scalar memory, like the scalar params.
 SMEM_TENSORS = ("sinks",)
 BLOCK_Q = 512
@@ -211,7 +215,7 @@ def _dq_kernel(int_ref, float_ref, param_sinks, q_ref, k_ref, v_ref, do_ref, lse
         if masked:
             p = jnp.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, *params), p, 0.0)
         dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta)
+        ds = p * (dp - delta)  # dL/d(score')
         dq_scratch[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
     _run_tile(kv_block, kv_lo, kv_hi, full_lo, full_hi, accumulate)
@@ -625,7 +629,8 @@ def _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret):
         kv_len=kv_len,
         group=group,
     )(*operands)
-    return dq, dk, dv, _sink_grad(lse[..., 0], delta[..., 0], prefetch)
+    d_gathered = [None] * len(gathered)  # (no trained read: no gathered array gets a cotangent)
+    return dq, dk, dv, _sink_grad(lse[..., 0], delta[..., 0], prefetch), tuple(d_gathered)
 
 
 def _sink_grad(lse, delta, prefetch):
@@ -650,12 +655,12 @@ def _attention_fwd(q, k, v, prefetch, gathered, interpret):
 def _attention_bwd(interpret, residuals, cotangents):
     q, k, v, prefetch, gathered, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv, d_sink = _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
+    dq, dk, dv, d_sink, d_gathered = _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
     # `sinks` travels in prefetch after the int and float params: it gets the sink's
     # gradient; the other params and the scale get none.
     d_prefetch = [None] * len(prefetch)
     d_prefetch[2 + SMEM_TENSORS.index("sinks")] = d_sink
-    return dq, dk, dv, tuple(d_prefetch), (None,) * len(gathered)
+    return dq, dk, dv, tuple(d_prefetch), d_gathered
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -707,18 +712,23 @@ def attention_forward(q, k, v, *, scale=None, interpret=False, **params):
 
 
 def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, interpret=False, **params):
-    """(dq, dk, dv, the gradient of sinks) of attention over q, k, v given the gradients of its out and lse, and
+    """(dq, dk, dv, d sinks) of attention over q, k, v given the gradients of its out and lse, and
     out and lse themselves: those of the whole row when k and v are one block of its keys (see
     attention_forward)."""
-    prefetch, gathered = _checked_operands(q, k, v, scale, params)
-    return _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
+    prefetch, gathered = _kernel_operands(q, k, *_checked_params(q, k, v, scale, params))
+    dq, dk, dv, *sink, _ = _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
+    return dq, dk, dv, *sink
 
 
 def _checked_operands(q, k, v, scale, params):
+    return _kernel_operands(q, k, *_checked_params(q, k, v, scale, params))
+
+
+def _checked_params(q, k, v, scale, params):
     _check_inputs(q, k, v)
     if q.size == 0 or k.shape[2] == 0:
         raise ValueError(f"attention_forward and attention_backward take at least one query and key, got q {q.shape}, k {k.shape}")
-    return _kernel_operands(q, k, *_prefetched(params, scale, q, _problem_sizes(q, k)))
+    return _prefetched(params, scale, q, _problem_sizes(q, k))
 
 
 def _kernel_operands(q, k, prefetch, scalar_values, tensors):

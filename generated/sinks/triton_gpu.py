@@ -72,6 +72,10 @@ TENSOR_PARAMS = {
     "sinks": (float, ("heads",)),
 }
 SINK_PARAM = "sinks"  # the tensor the sink reads as it is: a learnable sink per head
+# The params the backward returns gradients for (the sink's, then [grad] params), and every param's
+# name in the kernels' order (the autograd functions take them so).
+TRAINED_PARAMS = ("sinks",)
+PARAM_NAMES = ("sinks",)
 BLOCK_D = 64  # head_dim padded to a power of two
 BLOCK_DV = 64  # head_dim_v padded to a power of two
 # Forward: BLOCK_M queries per program, BLOCK_N keys per step.
@@ -310,7 +314,7 @@ def _dq_kv_blocks(
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_sinks, param_sinks_size0), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])  # dL/d(score')
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
@@ -802,15 +806,16 @@ def _forward(q, k, v, scale, params):
 
 
 def _backward(dout, dlse, q, k, v, out, lse, scale, params):
-    """(dq, dk, dv, the sink param's gradient) given the gradients of out and lse (FlashAttention-2: P recomputed from lse)."""
+    """(dq, dk, dv, d sinks) given the gradients of out and lse (FlashAttention-2: P recomputed from lse)."""
     params = _kernel_params(params)
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
     delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel and _sink_grad
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    grad_buffers = ()
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
         delta = -dlse.float()  # no key: the output is 0
-        return dq.zero_(), dk.zero_(), dv.zero_(), _sink_grad(lse, delta, params)
+        return dq.zero_(), dk.zero_(), dv.zero_(), *_trained_grads(lse, delta, params, grad_buffers)
     grid = (triton.cdiv(q_len, DQ_BLOCK_M), batch * heads)
     _attention_bwd_dq[grid](
         _descriptor(q, DQ_BLOCK_M), _descriptor(k, DQ_BLOCK_N), _descriptor(v, DQ_BLOCK_N, BLOCK_DV),
@@ -838,7 +843,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     if splits > 1:
         dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
         dv.copy_(dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2))
-    return dq, dk, dv, _sink_grad(lse, delta, params)
+    return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers)
 
 
 @triton.jit
@@ -865,9 +870,19 @@ def _sink_grad(lse, delta, params):
     return -(share * delta).sum(-1).sum(0)
 
 
-def _param_grads(params, d_sink):
-    """The params' gradients for autograd: the sink's param gets d_sink, the others none."""
-    return tuple(d_sink.to(p.dtype) if i == 0 else None for i, p in enumerate(params))
+
+
+def _trained_grads(lse, delta, params, buffers):
+    """The trained params' gradients (sinks), float32. Deterministic: plain
+    reductions in a fixed order, no atomics."""
+    grads = {"sinks": _sink_grad(lse, delta, params)}
+    return tuple(grads[name] for name in TRAINED_PARAMS)
+
+
+def _param_grads(params, grads):
+    """The params' gradients for autograd: each trained param its own, the others none."""
+    named = dict(zip(TRAINED_PARAMS, grads))
+    return tuple(named[name].to(p.dtype) if name in named else None for name, p in zip(PARAM_NAMES, params))
 
 
 def _group_splits(group, programs, device):
@@ -921,8 +936,8 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @_bwd_op.register_fake
     def _bwd_fake(dout, dlse, q, k, v, out, lse, scale, param_sinks, param_sinks_size0):
-        d_sink = torch.empty_like(param_sinks, dtype=torch.float32)
-        return *(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)), d_sink
+        trained = (torch.empty_like(param_sinks, dtype=torch.float32), )
+        return *(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)), *trained
 
     def _setup_context(ctx, inputs, output):
         q, k, v, scale, *params = inputs
@@ -933,8 +948,8 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv, d_sink = torch.ops.attngen.sinks_bc6903d75c2e_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
-        return dq, dk, dv, None, *_param_grads(ctx.params, d_sink)
+        dq, dk, dv, *trained = torch.ops.attngen.sinks_bc6903d75c2e_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        return dq, dk, dv, None, *_param_grads(ctx.params, trained)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
@@ -953,8 +968,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):  # an unused output's gradient arrives as zeros
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, d_sink = _backward(dout, dlse, q, k, v, out, lse, ctx.scale, list(ctx.params))
-        return dq, dk, dv, None, *_param_grads(ctx.params, d_sink)
+        dq, dk, dv, *trained = _backward(dout, dlse, q, k, v, out, lse, ctx.scale, list(ctx.params))
+        return dq, dk, dv, None, *_param_grads(ctx.params, trained)
 
 
 def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params):
@@ -981,8 +996,8 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     _check_inputs(q, k, v)
     scalars, tensors = _check_params(params, q, _problem_sizes(q, k))
     for name, value in tensors.items():  # else a param being trained would silently never change
-        if value.requires_grad and torch.is_grad_enabled() and name != "sinks":
-            raise ValueError(f"param {name} requires grad, and attention gives it none (only sinks, the sink's, gets one): pass {name}.detach()")
+        if value.requires_grad and torch.is_grad_enabled() and name not in TRAINED_PARAMS:
+            raise ValueError(f"param {name} requires grad, and attention gives it none (only sinks get one): pass {name}.detach()")
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.

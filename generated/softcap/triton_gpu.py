@@ -287,7 +287,7 @@ def _dq_kv_blocks(
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_softcap), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])  # dL/d(score')
         ds = ds * _score_grad(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_softcap)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq

@@ -328,7 +328,7 @@ def _dq_kv_blocks(
         if MASKED:
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])  # dL/d(score')
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
