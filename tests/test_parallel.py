@@ -229,5 +229,12 @@ def test_hidden_block_pairs_are_skipped_whole():
         assert skipped > 0, name  # the bounds do skip (each of these masks hides whole blocks)
 
 
+def test_the_sharded_form_trains_no_param():
+    """Context parallelism gives params no gradient (a trained one is refused): the sharded
+    kernels compute none, and their backward returns dq, dk, dv alone."""
+    form = ShardedSpec.of(small("alibi_slopes")).form
+    assert small("alibi_slopes").grad_params == ("slopes",) and form.grad_params == ()
+
+
 if __name__ == "__main__":  # the JAX test's subprocess: XLA_FLAGS set before jax starts
     _jax_devices(int(sys.argv[1]), sys.argv[2])

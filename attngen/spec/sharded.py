@@ -18,7 +18,8 @@ The offsets are plain int params, so the tile analysis bounds the sharded mask i
 it bounds the spec's: a causal block pair below the diagonal is FULL, above it EMPTY, and whole
 block pairs the mask hides are skipped without a launch (attngen.parallel asks `visits`). The sink,
 added once per row, is left to the caller's merge (a shard must not add it once per block), and
-a param only the sink reads leaves with it.
+a param only the sink reads leaves with it; [grad] params are not trained through shards (the
+blocks' shares would have to be summed over the ring: not built yet).
 """
 
 from __future__ import annotations
@@ -76,5 +77,12 @@ def sharded(spec: Spec) -> Spec:
     )
     sharding = tuple(Param(name, ir.Type.INT) for name in SHARDING)
     return replace(
-        spec, name=f"{spec.name}_sharded", mask=mask, score=score, params=params + sharding, mask_source=None, sink=None
+        spec,
+        name=f"{spec.name}_sharded",
+        mask=mask,
+        score=score,
+        params=params + sharding,
+        mask_source=None,
+        sink=None,
+        grad_params=(),
     )

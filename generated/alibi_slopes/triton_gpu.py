@@ -1334,12 +1334,12 @@ def _grad_buffers(batch, heads, q_len, kv_len, device):
 
 
 def _trained_grads(lse, delta, params, buffers):
-    """The trained params' gradients (slopes), float32. Deterministic: plain
-    reductions in a fixed order, no atomics."""
+    """The trained params' gradients (slopes), float32, deterministic:
+    plain reductions in a fixed order, no atomics."""
     grads = {}
     shape = params[1 : 2]  # (_kernel_params: the data, then each axis' size)
     share = _gathered_grad(buffers[0], buffers[1], shape)  # slopes[h]
-    grads["slopes"] = grads["slopes"] + share if "slopes" in grads else share
+    grads["slopes"] = share
     return tuple(grads[name] for name in TRAINED_PARAMS)
 
 

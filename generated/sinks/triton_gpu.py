@@ -873,8 +873,8 @@ def _sink_grad(lse, delta, params):
 
 
 def _trained_grads(lse, delta, params, buffers):
-    """The trained params' gradients (sinks), float32. Deterministic: plain
-    reductions in a fixed order, no atomics."""
+    """The trained params' gradients (sinks), float32, deterministic:
+    plain reductions in a fixed order, no atomics."""
     grads = {"sinks": _sink_grad(lse, delta, params)}
     return tuple(grads[name] for name in TRAINED_PARAMS)
 
