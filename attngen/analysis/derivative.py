@@ -34,6 +34,16 @@ class DerivativeError(AttngenError):
 
 def score_derivative(score: ir.Expr, params: dict[str, Type]) -> ir.Expr:
     """IR of d(score)/d(score) for a score expression (a FLOAT expression of `score`)."""
+    symbols, converter = _sympy_names(params)
+    # factor_terms is the light simplification that keeps the functions of the language (simplify
+    # would turn 1 - tanh(x)**2 into 1/cosh(x)**2, which the language cannot spell).
+    derivative = sympy.factor_terms(sympy.diff(to_sympy(score, symbols), SCORE))
+    return converter.float(derivative)
+
+
+def _sympy_names(params: dict[str, Type]) -> tuple[dict[str, sympy.Symbol], _Converter]:
+    """The sympy symbol of each name an expression may read, and the converter that takes sympy
+    expressions over them back to IR."""
     symbols = {
         "score": SCORE,
         **{n: sympy.Symbol(n, integer=True, nonnegative=True) for n in ir.INDEX_VARS},
@@ -44,10 +54,7 @@ def score_derivative(score: ir.Expr, params: dict[str, Type]) -> ir.Expr:
     }
     kinds = {"score": VarKind.SCORE, **{n: VarKind.INDEX for n in ir.INDEX_VARS}, **{n: VarKind.PARAM for n in params}}
     kinds |= {n: VarKind.SIZE for n in ir.SIZE_VARS}
-    # factor_terms is the light simplification that keeps the functions of the language (simplify
-    # would turn 1 - tanh(x)**2 into 1/cosh(x)**2, which the language cannot spell).
-    derivative = sympy.factor_terms(sympy.diff(to_sympy(score, symbols), SCORE))
-    return _Converter(kinds).float(derivative)
+    return symbols, _Converter(kinds)
 
 
 # A positional read names the problem's axes in this order, each with the size it must declare.
@@ -72,16 +79,7 @@ def param_gradients(
     score: ir.Expr, params: dict[str, Type], shapes: dict[str, tuple], trained: tuple[str, ...]
 ) -> tuple[ParamGradient, ...]:
     """The reads of the `trained` tensor params in a score expression, each with its derivative."""
-    symbols = {
-        "score": SCORE,
-        **{n: sympy.Symbol(n, integer=True, nonnegative=True) for n in ir.INDEX_VARS},
-        **{n: sympy.Symbol(n, integer=True, positive=True) for n in ir.SIZE_VARS},
-        **{
-            n: sympy.Symbol(n, integer=True) if t is Type.INT else sympy.Symbol(n, real=True) for n, t in params.items()
-        },
-    }
-    kinds = {"score": VarKind.SCORE, **{n: VarKind.INDEX for n in ir.INDEX_VARS}, **{n: VarKind.PARAM for n in params}}
-    kinds |= {n: VarKind.SIZE for n in ir.SIZE_VARS}
+    symbols, converter = _sympy_names(params)
     expression = to_sympy(score, symbols)
     gradients = []
     for load in ir.loads(score):
@@ -89,7 +87,7 @@ def param_gradients(
             continue
         positional = _positional(load, shapes[load.tensor])
         derivative = sympy.factor_terms(sympy.diff(expression, to_sympy(load, symbols)))
-        gradients.append(ParamGradient(load, _Converter(kinds).float(derivative), positional))
+        gradients.append(ParamGradient(load, converter.float(derivative), positional))
     return tuple(gradients)
 
 
