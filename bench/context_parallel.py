@@ -50,7 +50,7 @@ def rank_work(sharded, module, world, rank, layout, params, q, k, v, dout):
     local = lambda x, r: torch.cat([x[:, :, s : s + n] for s, n in call.kv_pieces(r)], 2)
     q_local, dout_local = local(q, rank), local(dout, rank)
     steps = [
-        (source, local(k, source), local(v, source), call.pairs(source))
+        (source, local(k, source), local(v, source), call.pairs[source])
         for source in ((rank - s) % world for s in range(world))
     ]
 

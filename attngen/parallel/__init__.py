@@ -35,21 +35,25 @@ def chunk_sizes(length: int, chunks: int) -> list[int]:
     return [length // chunks + (i < length % chunks) for i in range(chunks)]
 
 
-def pieces(length: int, world: int, rank: int, layout: str) -> list[tuple[int, int]]:
-    """The (global start, size) of each piece of the sequence that `rank` holds, in its local order.
+def held_chunks(world: int, rank, layout: str) -> list:
+    """The chunks `rank` holds, in its local order (rank may be traced: plain arithmetic).
 
-    contiguous: rank r holds the r-th of `world` chunks. zigzag: the sequence is cut into 2 * world
-    chunks and rank r holds chunks r and 2 * world - 1 - r, so that under a causal mask every rank
-    has as much work (the early chunk sees few keys, the late one many).
-    """
+    contiguous: the r-th of `world` chunks. zigzag: of 2 * world chunks, r and 2 * world - 1 - r,
+    so that under a causal mask every rank has as much work (the early chunk sees few keys, the
+    late one many)."""
+    return [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
+
+
+def pieces(length: int, world: int, rank: int, layout: str) -> list[tuple[int, int]]:
+    """The (global start, size) of each piece of the sequence that `rank` holds (held_chunks), in
+    its local order; chunk sizes differ by one position at most."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")
     sizes = chunk_sizes(length, world if layout == "contiguous" else 2 * world)
     starts = np.cumsum([0, *sizes]).tolist()
-    held = [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
-    return [(starts[c], sizes[c]) for c in held]
+    return [(starts[c], sizes[c]) for c in held_chunks(world, rank, layout)]
 
 
 def local_length(length: int, world: int, rank: int, layout: str) -> int:

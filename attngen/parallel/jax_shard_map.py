@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attngen.parallel import LAYOUTS, MODES, ShardedSpec
+from attngen.parallel import LAYOUTS, MODES, ShardedSpec, held_chunks
 from attngen.spec import Spec
 
 
@@ -60,9 +60,7 @@ class ContextParallel:
 
     def _order(self) -> list[int]:
         """The chunks in device order: device r holds the r-th run of them."""
-        if self.layout == "contiguous":
-            return list(range(self.world))
-        return [c for r in range(self.world) for c in (r, 2 * self.world - 1 - r)]
+        return [c for r in range(self.world) for c in held_chunks(self.world, r, self.layout)]
 
     def _to_devices(self, x, chunk: int):
         """x [B, H, N, D] padded to chunks * chunk positions, its chunks in device order."""
@@ -110,8 +108,7 @@ class ContextParallel:
 
     def _pieces(self, device, chunk: int):
         """(global start, local start) of each chunk a device holds; starts traced from its index."""
-        held = [device] if self.layout == "contiguous" else [device, 2 * self.world - 1 - device]
-        return [(c * chunk, i * chunk) for i, c in enumerate(held)]
+        return [(c * chunk, i * chunk) for i, c in enumerate(held_chunks(self.world, device, self.layout))]
 
     def _kernel_params(self, params, q_start, kv_start, totals):
         sharding = {"q_offset": q_start, "kv_offset": kv_start, "q_total": totals[0], "kv_total": totals[1]}

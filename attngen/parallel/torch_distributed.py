@@ -122,6 +122,9 @@ class _Call:
     def __init__(self, cp: ContextParallel, scale: float, params: dict, totals: tuple[int, int]):
         self.cp, self.scale, self.params, self.totals = cp, scale, params, totals
         self.q_pieces = pieces(totals[0], cp.world, cp.rank, cp.layout)
+        # The visible block pairs against each rank's K/V, found once (the bounds are evaluated on
+        # the host) for the forward's trip round the ring and the backward's.
+        self.pairs = [self._visible_pairs(rank) for rank in range(cp.world)]
 
     def kv_pieces(self, rank: int) -> list[tuple[int, int]]:
         return pieces(self.totals[1], self.cp.world, rank, self.cp.layout)
@@ -136,7 +139,7 @@ class _Call:
         }
         return {**self.params, **sharding}
 
-    def pairs(self, kv_rank: int):
+    def _visible_pairs(self, kv_rank: int):
         """(local q slice, local kv slice, kernel params) of each visible block pair against kv_rank's block."""
         q_at, pairs = 0, []
         for qp in self.q_pieces:
@@ -165,7 +168,7 @@ class _Call:
             if step < cp.world - 1:  # the next block, in flight while this one's kernels run
                 incoming = _pass_on(cp, held, [self.kv_shape(k, source - 1), self.kv_shape(v, source - 1)])
             k_block, v_block = held
-            for rows, cols, args in self.pairs(source):
+            for rows, cols, args in self.pairs[source]:
                 part, part_lse = module.attention_forward(
                     q[:, :, rows], k_block[:, :, cols], v_block[:, :, cols], scale=self.scale, **args
                 )
@@ -188,7 +191,7 @@ class _Call:
             k_block, v_block = held
             dk = torch.zeros(k_block.shape, device=q.device, dtype=torch.float32)
             dv = torch.zeros(v_block.shape, device=q.device, dtype=torch.float32)
-            for rows, cols, args in self.pairs(source):
+            for rows, cols, args in self.pairs[source]:
                 dq_part, dk_part, dv_part = module.attention_backward(
                     dout[:, :, rows],
                     dlse[:, :, rows],

@@ -654,7 +654,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, interpret=F
     """(dq, dk, dv) of attention over q, k, v given the gradients of its out and lse, and
     out and lse themselves: those of the whole row when k and v are one block of its keys (see
     attention_forward)."""
-    prefetch, gathered = _kernel_operands(q, k, *_checked_params(q, k, v, scale, params))
+    prefetch, gathered = _checked_operands(q, k, v, scale, params)
     dq, dk, dv, *sink, _ = _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret)
     return dq, dk, dv, *sink
 
