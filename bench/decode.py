@@ -11,7 +11,9 @@ the same work), and FlexAttention's paged attention (torch's PagedAttention: 128
 per kv block of its block mask, allocated in random order). Each row is first checked
 against a float64 reference by attngen.exactness's rule; then timed with triton.testing.do_bench
 (median). GB/s count the K and V bytes read once (B * H_kv * L * 2 * D * 2 bytes) per call; % peak
-is against a device-to-device copy measured in the same run.
+is against a device-to-device copy measured in the same run. Each call is also replayed from a
+CUDA graph, as serving engines run decoding (host time gone: it dominates short caches), and its
+host time per eager call is reported.
 
     python bench/decode.py [--lens 1024,8192,32768,131072] [--tokens 1,4,16] [--batch 8]
 
@@ -26,6 +28,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -137,11 +140,22 @@ def main() -> None:
             + "  {:>8} {:>10} {:>9} {:>17}".format(*ratios)
         )
     print("!: not exact by attngen.exactness's rule")
+    graph_names = ["ours", "ours paged 16", "FA2", "cuDNN"]
+    print("\nReplayed from CUDA graphs (GB/s; host time per eager call in us in brackets)")
+    print(f"{'L':>7} {'T':>3} " + " ".join(f"{n:>18}" for n in graph_names) + "  ours/FA2 ours/cuDNN")
+    for r in rows:
+        impls_ = r["impls"]
+        cells = [
+            f"{impls_[n]['graph_gb_s']:6.0f} ({impls_[n]['host_us']:4.0f} us)" if "graph_gb_s" in impls_[n] else "–"
+            for n in graph_names
+        ]
+        ratios = [_ratio(impls_, "ours", peer, "graph_gb_s") for peer in ("FA2", "cuDNN")]
+        print(f"{r['len']:7d} {r['new_tokens']:3d} " + " ".join(f"{c:>18}" for c in cells) + "  {:>8} {:>10}".format(*ratios))
 
 
-def _ratio(impls, name, peer):
+def _ratio(impls, name, peer, key="gb_s"):
     ours, theirs = impls[name], impls[peer]
-    return f"{ours['gb_s'] / theirs['gb_s']:.2f}" if "gb_s" in ours and "gb_s" in theirs else "–"
+    return f"{ours[key] / theirs[key]:.2f}" if key in ours and key in theirs else "–"
 
 
 def impls(module, flex, q, k, v, lens, pages, flex_paged):
@@ -224,9 +238,41 @@ def measure(module, flex, args, head_dim, length, generator):
                 ok = judge("bfloat16", {"out": err}, {"out": baseline}).ok if judged else None
                 ms = bench(fn)
                 row["impls"][name] = {"ms": ms, "gb_s": bytes_read / ms / 1e6, "error": err, "exact": ok}
+                row["impls"][name]["host_us"] = host_time(fn)
             except Exception as e:  # noqa: BLE001  (a peer that cannot run this shape)
                 row["impls"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"}
+                continue
+            try:
+                row["impls"][name]["graph_gb_s"] = bytes_read / bench(graphed(fn)) / 1e6
+            except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture)
+                row["impls"][name]["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
         yield row
+
+
+def host_time(fn, calls: int = 200) -> float:
+    """Microseconds of host time per call, launches queued without waiting (the GPU's queue is
+    deeper than the calls made)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (as serving engines run decoding): its replay, host time gone."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _sdpa(backend, q, k, v):

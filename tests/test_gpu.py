@@ -140,6 +140,36 @@ def test_decoding_from_a_paged_cache_on_the_gpu():
         assert_forward("bfloat16", out[b : b + 1], lse[b : b + 1], ref_out, ref_lse, base_out)
 
 
+def test_the_last_split_merges_exactly_and_repeatably_on_the_gpu():
+    """Split-KV: the last program of a tile to finish merges every split's partial output. Whichever
+    it is, the result is the same bits (20 calls each, many splits finishing together) and exact."""
+    spec = load_spec("specs/causal.toml")
+    module = harness.load_target(spec, "triton_gpu")
+    batch, heads, kv_heads, length = 3, 16, 4, 4096
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    k, v = (
+        torch.randn(batch, kv_heads, length, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    q = torch.randn(batch, heads, 2, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+    lens = torch.tensor([4096, 3000, 130], dtype=torch.int32, device="cuda")  # the last: most splits empty
+    causal = load_spec("specs/causal.toml")
+    for num_splits in (2, 7, 32, 128):
+        runs = [module.attention_with_kvcache(q, k, v, lens, num_splits=num_splits, return_lse=True) for _ in range(20)]
+        for out, lse in runs[1:]:
+            assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+        out, lse = runs[0]
+        for b, n in enumerate(lens.tolist()):
+            keys, values = (x[b : b + 1, :, :n].repeat_interleave(heads // kv_heads, 1) for x in (k, v))
+            queries = torch.cat([torch.zeros_like(q[b : b + 1, :, :1]).expand(-1, -1, n - 2, -1), q[b : b + 1]], 2)
+            ref_out, ref_lse = attention_ref_torch(causal, queries, keys, values, dtype=torch.float64)
+            base_out, _ = attention_ref_torch(causal, queries, keys, values, dtype=torch.bfloat16)
+            tail = slice(n - 2, n)
+            assert_forward(
+                "bfloat16", out[b : b + 1], lse[b : b + 1], ref_out[:, :, tail], ref_lse[:, :, tail], base_out[:, :, tail]
+            )
+
+
 def test_tensors_of_more_than_2_31_elements():
     """q, k, v of 2.15e9 elements each (training) and a KV cache of 2.16e9 (decoding): offsets past
     2**31 are int64 in every kernel; the last sequences, whose elements all lie past 2**31, exact."""

@@ -55,12 +55,15 @@ class TritonConfig:
     dkdv_num_warps: int
     dkdv_num_stages: int
     # Decoding from a KV cache: up to decode_block_m query rows (the new tokens of every query
-    # head of one kv head, packed) per program, decode_block_n cached keys per step. Not in the
-    # tuned table yet: these defaults hold for every GPU.
+    # head of one kv head, packed) per program, decode_block_n cached keys per step; the keys of a
+    # sequence are split over one wave of decode_programs_per_sm resident programs per SM (two:
+    # each takes 100-112 KiB of shared memory, and an H100/H200 SM has 227; BENCHMARKS.md). Not in
+    # the tuned table yet: these defaults hold for every GPU.
     decode_block_m: int = 64
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 3
+    decode_programs_per_sm: int = 2
     # The Hopper forward (Gluon, sm90 only; the forward above serves other GPUs): sm90_block_m
     # query rows per program, in two consumer warpgroups of half as many (wgmma's tile is 64 rows
     # per warpgroup, so 128 it is), sm90_block_n keys per step through a ring of sm90_num_stages
@@ -179,6 +182,7 @@ KERNELS = (
             ("LSE", F32_POINTER),
             ("O_PARTS", F32_POINTER),
             ("LSE_PARTS", F32_POINTER),
+            ("SPLITS_DONE", I32_POINTER),
             ("CACHE_SEQLENS", I32_POINTER),
             ("BLOCK_TABLE", I32_POINTER),
             ("num_heads", Arg("i32", divisible=True)),

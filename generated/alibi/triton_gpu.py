@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.alibi_17b7c91e1b2c_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.alibi_e25ea09ad5da_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -478,7 +478,7 @@ def _decode_kv_blocks(
 
 @triton.jit(do_not_specialize=["new_tokens", "capacity", "num_pages", "param_num_heads"])
 def _decode_fwd(
-    Q, K, V, O, LSE, O_PARTS, LSE_PARTS, CACHE_SEQLENS, BLOCK_TABLE,
+    Q, K, V, O, LSE, O_PARTS, LSE_PARTS, SPLITS_DONE, CACHE_SEQLENS, BLOCK_TABLE,
     num_heads, new_tokens, capacity, num_pages, table_stride, k_stride_page, k_stride_head,
     k_stride_row, v_stride_page, v_stride_head, v_stride_row, scale, param_num_heads,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
@@ -486,8 +486,8 @@ def _decode_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
     """The new tokens of one sequence and every query head of one kv head (rows: head-major), against
-    one split of the cached keys. SPLIT: write this split's normalised output and LSE (float32) for
-    _merge_splits; else the output itself."""
+    one split of the cached keys. SPLIT: write this split's normalised output and LSE (float32), and
+    the tile's last split merges them into the output; else the output itself."""
     split, num_splits = tl.program_id(0), tl.num_programs(0)
     kv_heads = num_heads // GROUP
     b = tl.program_id(1) // kv_heads
@@ -556,17 +556,62 @@ def _decode_fwd(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = _lse(m_i, l_i)
     store = row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    last = True
     if SPLIT:
-        parts = split * tl.num_programs(1) * GROUP * new_tokens + out_rows  # [splits, B * H * new_tokens]
+        rows_per_split = tl.num_programs(1) * GROUP * new_tokens  # partials: [splits, B * H * new_tokens]
+        parts = split * rows_per_split + out_rows
         tl.store(O_PARTS + parts[:, None] * HEAD_DIM_V + offs_dv[None, :], out, mask=store)
         tl.store(LSE_PARTS + parts, lse, mask=row_in)
-    else:
+        # The last split of this tile to finish merges them all, in split order (the result does
+        # not depend on which split is last), so no second kernel waits for the slowest split. The
+        # barrier puts every thread's stores before the release of the (one-thread) atomic.
+        tl.debug_barrier()
+        tile = tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
+        last = tl.atomic_add(SPLITS_DONE + tile, 1, sem="acq_rel", scope="gpu") == num_splits - 1
+        if last:
+            out, lse = _merge_tile(
+                O_PARTS, LSE_PARTS, out_rows, rows_per_split, num_splits, row_in,
+                BLOCK_M=BLOCK_M, BLOCK_DV=BLOCK_DV, HEAD_DIM_V=HEAD_DIM_V,
+            )
+    if last:
         tl.store(O + out_rows[:, None] * HEAD_DIM_V + offs_dv[None, :], out.to(O.dtype.element_ty), mask=store)
         tl.store(LSE + out_rows, lse, mask=row_in)
+
+@triton.jit
+def _merge_tile(
+    O_PARTS, LSE_PARTS, out_rows, rows_per_split, num_splits, row_in,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+):
+    """The output and LSE of a tile's rows over all the keys, from each split's (as merge_partials):
+    the splits' outputs weighted by exp(lse_split - lse); a row no split saw gives 0 with LSE -inf.
+    Loads bypass L1 (.cg): other SMs wrote the partials."""
+    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        lse_part = tl.load(LSE_PARTS + s * rows_per_split + out_rows, mask=row_in, other=float("-inf"), cache_modifier=".cg")
+        top = tl.maximum(top, lse_part)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for s in range(num_splits):
+        parts = s * rows_per_split + out_rows
+        weight = tl.exp(tl.load(LSE_PARTS + parts, mask=row_in, other=float("-inf"), cache_modifier=".cg") - shift)
+        part = tl.load(
+            O_PARTS + parts[:, None] * HEAD_DIM_V + offs_dv[None, :],
+            mask=row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        total += weight
+        acc += part * weight[:, None]
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    return out, tl.where(total == 0.0, float("-inf"), shift + tl.log(total))
 
 
 # AMD Instinct GPUs give a block 64 KiB of LDS: two stages of the K and V tiles, not three.
 DECODE_NUM_STAGES_HIP = min(DECODE_NUM_STAGES, 2)
+# Split-KV: the keys of a sequence are split into one wave of this many resident programs per SM.
+DECODE_PROGRAMS_PER_SM = 2
 
 
 def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_splits):
@@ -582,55 +627,26 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
     lse = torch.empty((batch, heads, new_tokens), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    block_m = max(16, min(triton.next_power_of_2(group * new_tokens), DECODE_BLOCK_M))
-    row_blocks = triton.cdiv(group * new_tokens, block_m)
+    block_m = max(16, min(_next_power_of_2(group * new_tokens), DECODE_BLOCK_M))
+    row_blocks = _cdiv(group * new_tokens, block_m)
     if num_splits is None:
         num_splits = _decode_splits(batch * kv_heads * row_blocks, capacity, q.device)
-    parts = None
+    parts = lse_parts = splits_done = lse  # (unread without splits)
     if num_splits > 1:
         parts = torch.empty((num_splits, batch, heads, new_tokens, HEAD_DIM_V), device=q.device, dtype=torch.float32)
         lse_parts = torch.empty((num_splits, batch, heads, new_tokens), device=q.device, dtype=torch.float32)
+        splits_done = torch.zeros(batch * kv_heads * row_blocks, device=q.device, dtype=torch.int32)
     table = block_table if paged else cache_seqlens  # (unread without pages)
     _decode_fwd[(num_splits, batch * kv_heads, row_blocks)](
-        q, k_cache, v_cache, out, lse, parts if parts is not None else lse, lse_parts if parts is not None else lse,
+        q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done,
         cache_seqlens, table, heads, new_tokens, capacity, k_cache.shape[0],
         table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
-        GROUP=group, PAGE_SIZE=page_size if paged else 0, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
+        GROUP=group, PAGE_SIZE=page_size if paged else 0, SPLIT=num_splits > 1,
+        BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
         BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES_HIP if torch.version.hip else DECODE_NUM_STAGES,
     )
-    if num_splits > 1:
-        rows = batch * heads * new_tokens
-        _merge_splits[(rows,)](
-            parts, lse_parts, out, lse, rows,
-            SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=BLOCK_DV, HEAD_DIM_V=HEAD_DIM_V,
-        )
     return out, lse
-
-
-@triton.jit
-def _merge_splits(
-    O_PARTS, LSE_PARTS, O, LSE, rows,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-):
-    """One row's output and LSE over all the keys from each split's (as merge_partials): the
-    splits' outputs weighted by exp(lse_split - lse); a row no split saw stays 0 with LSE -inf."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.arange(0, BLOCK_S)
-    lse_parts = tl.load(LSE_PARTS + split * rows + row, mask=split < SPLITS, other=float("-inf"))
-    top = tl.max(lse_parts, 0)
-    shift = tl.where(top == float("-inf"), 0.0, top)
-    weights = tl.exp(lse_parts - shift)
-    total = tl.sum(weights, 0)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    parts = tl.load(
-        O_PARTS + (split * rows + row)[:, None] * HEAD_DIM_V + offs_dv[None, :],
-        mask=(split < SPLITS)[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
-        other=0.0,
-    )
-    out = tl.sum(parts * (weights / tl.where(total == 0.0, 1.0, total))[:, None], 0)
-    tl.store(O + row * HEAD_DIM_V + offs_dv, out.to(O.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
-    tl.store(LSE + row, tl.where(total == 0.0, float("-inf"), shift + tl.log(total)))
 
 
 def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
@@ -661,11 +677,12 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
     return (cache_seqlens + tokens).int()
 
 
-def _decode_splits(programs, capacity, device):
-    """In how many splits the keys of a sequence are walked (flash-decoding): enough programs for
-    four per SM, each split at least two blocks of the cache's capacity."""
-    wanted = triton.cdiv(4 * _sm_count(device), programs)
-    return max(1, min(wanted, triton.cdiv(capacity, 2 * DECODE_BLOCK_N), 128))
+def _decode_splits(tiles, capacity, device):
+    """In how many splits the keys of each tile's sequence are walked (flash-decoding): as many as
+    fill one wave of DECODE_PROGRAMS_PER_SM resident programs on every SM (a second, partial wave
+    would run on few SMs while the rest idle), each split at least two blocks of the capacity."""
+    fits = DECODE_PROGRAMS_PER_SM * _sm_count(device) // tiles
+    return max(1, min(fits, _cdiv(capacity, 2 * DECODE_BLOCK_N), 128))
 
 
 def attention_with_kvcache(
@@ -1206,7 +1223,7 @@ def _forward(q, k, v, scale, params):
         return out.zero_(), lse.fill_(float("-inf"))
     if out.numel() > 0 and _runs_sm90(q, SM90_FORWARD):
         rows = SM90_BLOCK_M // 2  # per consumer warpgroup
-        grid = (triton.cdiv(q_len, SM90_BLOCK_M), batch * heads)
+        grid = (_cdiv(q_len, SM90_BLOCK_M), batch * heads)
         _attention_fwd_sm90[grid](
             _nvmma_descriptor(q, rows), _nvmma_descriptor(k, SM90_BLOCK_N), _nvmma_descriptor(v, SM90_BLOCK_N, BLOCK_DV),
             _nvmma_descriptor(out, rows, BLOCK_DV), lse, heads, q_len, kv_len, scale, *params, GROUP=group,
@@ -1218,7 +1235,7 @@ def _forward(q, k, v, scale, params):
             block_m, block_n, warps, stages = SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_NUM_WARPS, SHORT_NUM_STAGES
         else:
             block_m, block_n, warps, stages = BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
-        grid = (triton.cdiv(q_len, block_m), batch * heads)
+        grid = (_cdiv(q_len, block_m), batch * heads)
         _attention_fwd[grid](
             _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV), _descriptor(out, block_m, BLOCK_DV), lse,
             heads, q_len, kv_len, scale, *params, GROUP=group,
@@ -1235,7 +1252,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_()
-    grid = (triton.cdiv(q_len, DQ_BLOCK_M), batch * heads)
+    grid = (_cdiv(q_len, DQ_BLOCK_M), batch * heads)
     _attention_bwd_dq[grid](
         _descriptor(q, DQ_BLOCK_M), _descriptor(k, DQ_BLOCK_N), _descriptor(v, DQ_BLOCK_N, BLOCK_DV),
         _descriptor(out, DQ_BLOCK_M, BLOCK_DV), _descriptor(dout, DQ_BLOCK_M, BLOCK_DV), lse, dlse.float().contiguous(), delta,
@@ -1245,7 +1262,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     )
     hopper = _runs_sm90(q, SM90_BACKWARD)
     block_m, block_n = (SM90_DKDV_BLOCK_M, SM90_DKDV_BLOCK_N) if hopper else (DKDV_BLOCK_M, DKDV_BLOCK_N)
-    kv_heads, kv_blocks = heads // group, triton.cdiv(kv_len, block_n)
+    kv_heads, kv_blocks = heads // group, _cdiv(kv_len, block_n)
     splits = _group_splits(group, batch * kv_heads * kv_blocks, q.device)
     if splits > 1:  # each part of a group writes float32 partial sums, added up below
         dk_parts = torch.empty((batch, kv_heads * splits, kv_len, HEAD_DIM), device=q.device, dtype=torch.float32)
@@ -1298,6 +1315,16 @@ def _capability(device):
     return torch.cuda.get_device_capability(device)
 
 
+def _cdiv(a, b):
+    """ceil(a / b) for ints (triton.cdiv is a constexpr function: microseconds a call, on every launch)."""
+    return -(-a // b)
+
+
+def _next_power_of_2(n):
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 @functools.cache
 def _sm_count(device):
     """Streaming multiprocessors of a CUDA device; 1 elsewhere (the Triton interpreter on a CPU)."""
@@ -1307,7 +1334,7 @@ def _sm_count(device):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "alibi_17b7c91e1b2c"
+_OP = "alibi_e25ea09ad5da"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -1338,7 +1365,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = torch.ops.attngen.alibi_17b7c91e1b2c_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.alibi_e25ea09ad5da_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -1387,7 +1414,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.alibi_17b7c91e1b2c_fwd if torch.compiler.is_compiling() else _Attention.apply
+    run = torch.ops.attngen.alibi_e25ea09ad5da_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
