@@ -47,24 +47,38 @@ _OPS = {
 
 def _name(xp, op: str) -> str:
     name = _OPS[op]
-    return "eq" if xp is not np and name == "equal" else name
+    return "eq" if _is_torch(xp) and name == "equal" else name
+
+
+def _is_torch(xp) -> bool:
+    return xp.__name__ == "torch"
+
+
+def _widths(xp):
+    """(int dtype, float dtype) of evaluate's results: 64-bit in numpy and torch, jax.numpy's own
+    defaults in JAX (32-bit unless x64 is on)."""
+    if xp is np or _is_torch(xp):
+        return xp.int64, xp.float64
+    return xp.asarray(0).dtype, xp.asarray(0.0).dtype
 
 
 def evaluate(e: ir.Expr, env: dict, xp=np):
-    """Value of e with broadcasting in array module xp (numpy or torch): ints int64, floats
-    float64, // and % floor. Variables in env may be arrays or Python numbers."""
-    is_torch = xp is not np
+    """Value of e with broadcasting in array module xp (numpy, torch, or jax.numpy: context
+    parallelism's sinks): ints int64, floats float64 (jax.numpy: its default widths), // and %
+    floor. Variables in env may be arrays or Python numbers."""
+    is_torch = _is_torch(xp)
+    ints, floats = _widths(xp)
     if isinstance(e, ir.Const):
-        dtype = {Type.BOOL: xp.bool_ if not is_torch else xp.bool, Type.INT: xp.int64, Type.FLOAT: xp.float64}[e.type]
+        dtype = {Type.BOOL: xp.bool if is_torch else xp.bool_, Type.INT: ints, Type.FLOAT: floats}[e.type]
         return xp.asarray(e.value, dtype=dtype)
     if isinstance(e, ir.Var):
         value = env[e.name]
-        dtype = xp.float64 if e.type is Type.FLOAT else xp.int64
+        dtype = floats if e.type is Type.FLOAT else ints
         return value.to(dtype) if is_torch and isinstance(value, xp.Tensor) else xp.asarray(value, dtype=dtype)
     ev = lambda x: evaluate(x, env, xp)
     if isinstance(e, ir.ToFloat):
         value = ev(e.operand)
-        return value.to(xp.float64) if is_torch else value.astype(np.float64)
+        return value.to(floats) if is_torch else value.astype(floats)
     if isinstance(e, ir.Neg):
         return -ev(e.operand)
     if isinstance(e, ir.Not):
@@ -83,16 +97,18 @@ def evaluate(e: ir.Expr, env: dict, xp=np):
 
 def _load(e: ir.Load, env: dict, xp):
     """tensor[indices] with broadcasting, each index clamped into its axis (the kernels' rule)."""
+    is_torch = _is_torch(xp)
     tensor = env[e.tensor]
-    tensor = xp.as_tensor(tensor) if xp is not np else np.asarray(tensor)
+    tensor = xp.as_tensor(tensor) if is_torch else xp.asarray(tensor)
     indices = [evaluate(index, env, xp) for index in e.indices]
-    if xp is not np:  # torch indexing does not broadcast its index tensors
+    if is_torch:  # torch indexing does not broadcast its index tensors
         indices = xp.broadcast_tensors(*(i.to(tensor.device) for i in indices))
     value = tensor[tuple(xp.clip(i, 0, n - 1) for i, n in zip(indices, tensor.shape))]
     if e.type is Type.BOOL:
         return value != 0
-    dtype = xp.float64 if e.type is Type.FLOAT else xp.int64
-    return value.to(dtype) if xp is not np else value.astype(dtype)
+    ints, floats = _widths(xp)
+    dtype = floats if e.type is Type.FLOAT else ints
+    return value.to(dtype) if is_torch else value.astype(dtype)
 
 
 def positions(batch: int, heads: int, q_len: int, kv_len: int, xp=np, **device) -> dict:

@@ -128,11 +128,11 @@ def test_new_gpu_targets_limits_and_explanations():
         ok=True,
         warning="274 VGPRs spill to a 1096-byte scratch frame",
         resources={"lds": "32 KiB", **usage},
-        note="no TMA on gfx942: Triton lowers the tensor descriptors to pointer loads",
+        note="no TMA on gfx942: Triton lowers the tensor descriptors to loads",
     ).line()
     assert warn.startswith("WARN gfx942 fwd (block_m=128 block_n=128): 274 VGPRs spill to a 1096-byte scratch")
     assert "can make the kernel several times slower" in warn and "measured on an H200 (sm90), not this GPU" in warn
-    assert warn.endswith("scratch_bytes 1096]; no TMA on gfx942: Triton lowers the tensor descriptors to pointer loads")
+    assert warn.endswith("scratch_bytes 1096]; no TMA on gfx942: Triton lowers the tensor descriptors to loads")
     skip = Finding("sm120", "fwd_sm90", "", ok=True, skipped=True, note="not built for sm120: ...").line()
     assert skip == "skip sm120 fwd_sm90: not built for sm120: ..."
 

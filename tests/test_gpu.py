@@ -67,6 +67,23 @@ def test_specs_exact_on_the_gpu(name, dtype):
     _assert_exact(spec, params, (q, k, v, dout), out, lse, grads)
 
 
+@pytest.mark.parametrize("name", ["causal", "document", "value_dim"])
+def test_pointer_tiles_on_the_gpu(name, monkeypatch):
+    """The Triton kernels as GPUs without TMA (A100) run them, tiles moved through pointers, compiled
+    for this GPU: exact, with grouped kv heads and odd tails."""
+    spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
+    module = harness.load_target(spec, "triton_gpu")
+    monkeypatch.setattr(module, "_tma", lambda device: False)
+    monkeypatch.setattr(module, "SM90_FORWARD", 0, raising=False)
+    monkeypatch.setattr(module, "SM90_BACKWARD", 0, raising=False)
+    batch, heads, kv_heads, q_len, kv_len = 2, 4, 2, 1537, 2049
+    q, k, v, dout = _inputs(spec, batch, heads, q_len, kv_len, seed=5)
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    params = _params(name, batch, heads, q_len, kv_len, seed=1)
+    out, lse, grads = _out_and_grads(lambda *x: module.attention(*x, return_lse=True, **params), q, k, v, dout)
+    _assert_exact(spec, params, (q, k, v, dout), out, lse, grads)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(p.stem for p in Path("specs").glob("*.toml")))
 def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):

@@ -26,8 +26,7 @@ from attngen.reference import attention_ref_torch
 from attngen.spec import load_spec, retarget, with_config
 
 LENGTH, HEADS, KV_HEADS, DIM = 75, 4, 2, 32
-# (spec, mode, layout) per world size: every spec, mode and layout appears in each target's run
-# (sinks: torch's only).
+# (spec, mode, layout) per world size: every spec, mode and layout appears in each target's run.
 CASES = {
     2: [
         ("causal", "ring", "zigzag"),
@@ -145,10 +144,6 @@ def test_a_world_of_one_is_the_whole_kernel(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- JAX, shard_map
 
 
-def _jax_cases(world):
-    return [case for case in CASES[world] if case[0] != "sinks"]
-
-
 def _jax_devices(world, out_dir):
     import jax
     import jax.numpy as jnp
@@ -156,17 +151,23 @@ def _jax_devices(world, out_dir):
     from attngen.parallel.jax_shard_map import ContextParallel
 
     mesh = jax.make_mesh((world,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
-    for name, mode, layout in _jax_cases(world):
+    for name, mode, layout in CASES[world]:
         cp = ContextParallel(small(name), mesh, "seq", mode=mode, layout=layout, interpret=True)
         q, k, v, do, params = (jnp.asarray(x.numpy()) if isinstance(x, torch.Tensor) else x for x in problem(name))
         params = {n: jnp.asarray(t.numpy()) if isinstance(t, torch.Tensor) else t for n, t in params.items()}
+        # Float tensor params (a sink's) are differentiated too; the others are constants.
+        floats = {n: t for n, t in params.items() if hasattr(t, "dtype") and jnp.issubdtype(t.dtype, jnp.floating)}
+        others = {n: t for n, t in params.items() if n not in floats}
 
-        def loss(q, k, v, cp=cp, params=params, do=do):
-            out, lse = cp.attention(q, k, v, return_lse=True, **params)
+        def loss(q, k, v, floats, cp=cp, others=others, do=do):
+            out, lse = cp.attention(q, k, v, return_lse=True, **floats, **others)
             return (out * do).sum(), (out, lse)
 
-        (_, (out, lse)), (dq, dk, dv) = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
-        np.savez(Path(out_dir) / f"{name}-{mode}-{layout}.npz", out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+        (_, (out, lse)), (dq, dk, dv, d_floats) = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
+            q, k, v, floats
+        )
+        got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, **{f"d{n}": g for n, g in d_floats.items()}}
+        np.savez(Path(out_dir) / f"{name}-{mode}-{layout}.npz", **got)
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
@@ -183,7 +184,7 @@ def test_jax_shard_map_devices_are_exact(world, tmp_path):
         cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    for name, mode, layout in _jax_cases(world):
+    for name, mode, layout in CASES[world]:
         judge(name, dict(np.load(tmp_path / f"{name}-{mode}-{layout}.npz")))
 
 

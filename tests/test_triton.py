@@ -49,6 +49,21 @@ def test_spec_examples_long_forward(spec_file, monkeypatch):
     harness.assert_exact(spec, p, *harness.run_triton(spec, p))
 
 
+@pytest.mark.parametrize("name", ["causal", "document", "value_dim", "sinks", "alibi_slopes", "relative_bias"])
+def test_pointer_tiles_of_gpus_without_tma(name, monkeypatch):
+    """On GPUs without TMA (sm80, AMD) the forward, dQ and dK/dV kernels move their tiles through
+    pointers, not tensor descriptors: the same kernels, exact, with grouped kv heads."""
+    spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "float16")
+    module = harness.load_target(spec, "triton_gpu")
+    monkeypatch.setattr(module, "_tma", lambda device: False)
+    p = harness.make_problem(
+        spec, 1, 4, 200, 177, seed=13, params=harness.example_params(spec.name, 1, 4, 200, 177), kv_heads=2
+    )
+    harness.assert_exact(spec, p, *harness.run_triton(spec, p))
+    c = harness.make_cotangents(p, seed=13)
+    harness.assert_grads_exact(spec, p, c, harness.run_triton_grad(spec, p, c))
+
+
 @settings(max_examples=40)
 @given(**DRAWN)
 def test_drawn_specs(drawn, shape, seed, scale):

@@ -91,13 +91,16 @@ def _tiles(module, kernel: Kernel) -> dict[str, int]:
     return {key: getattr(module, f"{kernel.tiles}{key}".upper()) for key in TILE_KEYS}
 
 
-def _signature(module, kernel: Kernel, dtype: str):
+def _signature(module, kernel: Kernel, dtype: str, tma: bool = True):
     """Argument types as a launch on contiguous tensors would specialise them, read off the kernel's
-    declaration by argument name (so no argument order is repeated here)."""
+    declaration by argument name (so no argument order is repeated here). tma: whether the target
+    has tensor descriptors; without, a "desc" argument is what _descriptor passes there instead (the
+    tensor, its batch, head and seq strides, seq and head_dim)."""
     fn = getattr(module, kernel.function)
     tiles = _tiles(module, kernel)
     constexpr_values = {
         **dict(kernel.constexprs),
+        "TMA": int(tma),
         "BLOCK_M": tiles["block_m"],
         "BLOCK_N": tiles["block_n"],
         # The Gluon kernels' tiles per consumer warpgroup: half a block of queries (forward) or keys (dK/dV).
@@ -116,6 +119,14 @@ def _signature(module, kernel: Kernel, dtype: str):
         declared = kernel.argument(name)
         if param.is_constexpr:
             signature[name], constexprs[name] = "constexpr", constexpr_values[name]
+        elif declared is not None and declared.kind == "desc" and not tma:
+            signature[name] = (f"*{_ELEMENT[dtype]}", "i32", "i32", "i32", "i32", "i32")
+            head_dim = module.HEAD_DIM if declared.width == "d" else module.HEAD_DIM_V
+            # The data, its strides (multiples of head_dim) and head_dim are multiples of 16 when
+            # head_dim is; seq is anything.
+            for part in (0, 1, 2, 3, 5) if head_dim % 16 == 0 else (0,):
+                attrs[(index, part)] = [["tt.divisibility", 16]]
+            continue
         elif declared is not None and declared.kind == "desc":
             rows = constexpr_values[declared.rows]
             signature[name] = f"tensordesc<{_ELEMENT[dtype]}[1,1,{rows},{widths[declared.width]}]>"
@@ -188,11 +199,14 @@ def _amdgcn_usage(amdgcn: str) -> dict:
 
 
 def _descriptor_note(kernel: Kernel, compiled, target: GpuTarget) -> str:
-    """What the kernel's tensor descriptors become where there is no TMA (sm80, AMD): Triton rewrites
-    them into pointer loads. With TMA it records each descriptor's layout in tensordesc_meta."""
+    """How the kernel moves its tiles where there is no TMA: on sm80 through pointers (the module's
+    _descriptor passes the tensor and its strides), on AMD through descriptors that Triton lowers to
+    loads. With TMA Triton records each descriptor's layout in tensordesc_meta."""
     if not any(arg.kind == "desc" for _, arg in kernel.arguments) or compiled.metadata.tensordesc_meta:
         return ""
-    return f"no TMA on {target.name}: Triton lowers the tensor descriptors to pointer loads"
+    if target.backend == "cuda":
+        return f"no TMA on {target.name}: tiles move through pointers"
+    return f"no TMA on {target.name}: Triton lowers the tensor descriptors to loads"
 
 
 def _not_built_note(module, kernel: Kernel, target: GpuTarget) -> str:
@@ -223,7 +237,8 @@ def compile_kernel(module, kernel: Kernel, dtype: str, target: GpuTarget | int):
     if isinstance(target, int):
         target = GpuTarget(f"sm{target}", "cuda", target, 32, max_shared=0)
     tiles = _tiles(module, kernel)
-    fn, signature, constexprs, attrs = _signature(module, kernel, dtype)
+    tma = target.backend != "cuda" or target.arch >= 90  # as the module's _tma decides
+    fn, signature, constexprs, attrs = _signature(module, kernel, dtype, tma)
     if kernel.language == "gluon":  # warp-specialized: registers move between partitions
         source = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": tiles["num_warps"], "maxnreg": module.SM90_MAX_REGISTERS}

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attngen.parallel import LAYOUTS, MODES, ShardedSpec, held_chunks
+from attngen.reference import evaluate
 from attngen.spec import Spec
 
 
@@ -41,10 +42,6 @@ class ContextParallel:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.sharded = ShardedSpec.of(spec)
-        if self.sharded.spec.sink is not None:
-            raise ValueError(
-                f"spec {self.sharded.spec.name} has a sink: context parallelism on JAX does not add sinks yet (torch's does)"
-            )
         if dict(zip(mesh.axis_names, mesh.axis_types))[axis] != jax.sharding.AxisType.Auto:
             raise ValueError(
                 f"mesh axis {axis!r} is {dict(zip(mesh.axis_names, mesh.axis_types))[axis]}: context parallelism reorders the "
@@ -81,9 +78,11 @@ class ContextParallel:
         q_chunk, kv_chunk = -(-q_len // self.chunks), -(-kv_len // self.chunks)
         totals = (q_len, kv_len)
         self.sharded.check_params(params, totals)
-        # Arrays (tensor params, traced scalars) enter the shard_map replicated; Python numbers are constants.
-        arrays = {name: value for name, value in params.items() if isinstance(value, jax.Array)}
-        constants = {name: value for name, value in params.items() if name not in arrays}
+        # The kernels never read the sink (the sharded form has none): it joins once, below. Arrays
+        # (tensor params, traced scalars) enter the shard_map replicated; Python numbers are constants.
+        kernel_params = {p.name: params[p.name] for p in self.sharded.form.params if p.name in params}
+        arrays = {name: value for name, value in kernel_params.items() if isinstance(value, jax.Array)}
+        constants = {name: value for name, value in kernel_params.items() if name not in arrays}
         run = partial(
             self._ring if self.mode == "ring" else self._allgather,
             scale=scale,
@@ -104,7 +103,16 @@ class ContextParallel:
         )
         out = self._from_devices(out, q_chunk, q_len)
         lse = self._from_devices(lse[..., None], q_chunk, q_len)[..., 0]
+        if self.sharded.spec.sink is not None:
+            out, lse = _add_sink(out, lse, self._sink_logits(q, params))
         return (out, lse) if return_lse else out
+
+    def _sink_logits(self, q, params):
+        """The spec's sink for every (batch, head), [B, H] float32, differentiable in its params."""
+        batch, heads = q.shape[:2]
+        index = {"b": jnp.arange(batch)[:, None], "h": jnp.arange(heads)[None, :]}
+        logits = evaluate(self.sharded.spec.sink, {**params, **index}, xp=jnp)
+        return jnp.broadcast_to(logits.astype(jnp.float32), (batch, heads))
 
     def _pieces(self, device, chunk: int):
         """(global start, local start) of each chunk a device holds; starts traced from its index."""
@@ -152,6 +160,13 @@ class ContextParallel:
 
         ring.defvjp(ring_fwd, ring_bwd)
         return ring(q, k, v, arrays)
+
+
+def _add_sink(out, lse, sink):
+    """Out and LSE with the sink joined to each row's denominator once (after every block's merge)."""
+    total = jnp.logaddexp(lse, sink[..., None])
+    shift = jnp.where(jnp.isneginf(total), 0.0, total)
+    return (out.astype(jnp.float32) * jnp.exp(lse - shift)[..., None]).astype(out.dtype), total
 
 
 class _RingBlocks:

@@ -153,6 +153,38 @@ def _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads):
 
 
 @triton.jit
+def _load_tile(t, b, h, row, ROWS: tl.constexpr, WIDTH: tl.constexpr, TMA: tl.constexpr):
+    """The [ROWS, WIDTH] tile at (b, h, row) of a [batch, heads, seq, head_dim] tensor; rows past
+    seq and columns past head_dim read as 0. t: what _descriptor made of the tensor."""
+    if TMA:
+        return t.load([b, h, row, 0]).reshape([ROWS, WIDTH])
+    else:
+        pointers, mask = _tile_pointers(t, b, h, row, ROWS, WIDTH)
+        return tl.load(pointers, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(t, b, h, row, value, ROWS: tl.constexpr, WIDTH: tl.constexpr, TMA: tl.constexpr):
+    """Writes value, [ROWS, WIDTH], at (b, h, row) of a [batch, heads, seq, head_dim] tensor (what
+    _descriptor made of it), in its dtype; rows past seq and columns past head_dim are dropped."""
+    if TMA:
+        t.store([b, h, row, 0], value.to(t.dtype).reshape([1, 1, ROWS, WIDTH]))
+    else:
+        pointers, mask = _tile_pointers(t, b, h, row, ROWS, WIDTH)
+        tl.store(pointers, value.to(t[0].dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_pointers(t, b, h, row, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """Pointers and mask of a tile of (data, batch stride, head stride, seq stride, seq, head_dim)."""
+    rows = row + tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    first = t[0] + b.to(tl.int64) * t[1] + h.to(tl.int64) * t[2]
+    pointers = first + rows.to(tl.int64)[:, None] * t[3] + cols[None, :]
+    return pointers, (rows < t[4])[:, None] & (cols < t[5])[None, :]
+
+
+@triton.jit
 def _exp_shifted(x, shift):
     """exp(x - shift), x and shift in _logits' units."""
     return tl.exp2((x - shift) * 1.4426950408889634)
@@ -181,13 +213,13 @@ def _score_grad(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads):
 def _fwd_kv_blocks(
     acc, l_i, m_i, q, k_desc, v_desc, b, h, h_kv,
     block_lo, block_hi, q_idx, q_len, kv_len, scale, param_num_heads,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online softmax over a run of kv blocks; MASKED runs the mask (PARTIAL tiles)."""
     offs_n = tl.arange(0, BLOCK_N)
     for block in range(block_lo, block_hi):
         start = block * BLOCK_N
-        k = k_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_D])  # rows past kv_len read as 0
+        k = _load_tile(k_desc, b, h_kv, start, BLOCK_N, BLOCK_D, TMA)  # rows past kv_len read as 0
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32
         kv_idx = (start + offs_n)[None, :]
         x = _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads)
@@ -201,7 +233,7 @@ def _fwd_kv_blocks(
         p = _exp_shifted(x, m_shift[:, None])
         alpha = _exp_shifted(m_i, m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_DV])
+        v = _load_tile(v_desc, b, h_kv, start, BLOCK_N, BLOCK_DV, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
@@ -212,6 +244,7 @@ def _attention_fwd(
     q_desc, k_desc, v_desc, o_desc, LSE,
     num_heads, q_len, kv_len, scale, param_num_heads,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # Heaviest q blocks first (under a causal mask the last ones see the most keys): the tail
     # of the launch is then made of short programs.
@@ -233,7 +266,7 @@ def _attention_fwd(
     q_idx = offs_m[:, None]
     # Tensor descriptors (TMA on Hopper): reads past the sequence or head_dim return 0, writes
     # there are dropped, so tails and padded head dims need no masks.
-    q = q_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_D])
+    q = _load_tile(q_desc, b, h, q_first, BLOCK_M, BLOCK_D, TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -241,22 +274,22 @@ def _attention_fwd(
     acc, l_i, m_i = _fwd_kv_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, b, h, h // GROUP,
         kv_lo, full_lo, q_idx, q_len, kv_len, scale, param_num_heads,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
     )
     acc, l_i, m_i = _fwd_kv_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, b, h, h // GROUP,
         full_lo, full_hi, q_idx, q_len, kv_len, scale, param_num_heads,
-        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
     )
     acc, l_i, m_i = _fwd_kv_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, b, h, h // GROUP,
         full_hi, kv_hi, q_idx, q_len, kv_len, scale, param_num_heads,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
     )
 
     # A row with no visible key has l = 0 and acc = 0: its output is 0 and its LSE -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_desc.store([b, h, q_first, 0], out.to(o_desc.dtype).reshape([1, 1, BLOCK_M, BLOCK_DV]))
+    _store_tile(o_desc, b, h, q_first, out, BLOCK_M, BLOCK_DV, TMA)
     tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, _lse(m_i, l_i), mask=offs_m < q_len)
 
 
@@ -264,15 +297,15 @@ def _attention_fwd(
 def _dq_kv_blocks(
     dq, q, do, lse, delta, k_desc, v_desc, b, h, h_kv,
     block_lo, block_hi, q_idx, q_len, kv_len, scale, param_num_heads,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TMA: tl.constexpr,
 ):
     """dQ contributions of a run of kv blocks, recomputing P from the LSE."""
     offs_n = tl.arange(0, BLOCK_N)
     for block in range(block_lo, block_hi):
         start = block * BLOCK_N
         kv_idx = (start + offs_n)[None, :]
-        k = k_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_D])
-        v = v_desc.load([b, h_kv, start, 0]).reshape([BLOCK_N, BLOCK_DV])
+        k = _load_tile(k_desc, b, h_kv, start, BLOCK_N, BLOCK_D, TMA)
+        v = _load_tile(v_desc, b, h_kv, start, BLOCK_N, BLOCK_DV, TMA)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32
         p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_num_heads), lse[:, None])
         if MASKED:
@@ -289,6 +322,7 @@ def _attention_bwd_dq(
     q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc,
     num_heads, q_len, kv_len, scale, param_num_heads,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest first, as in the forward
     bh = tl.program_id(1)
@@ -305,8 +339,8 @@ def _attention_bwd_dq(
 
     offs_m = q_first + tl.arange(0, BLOCK_M)
     q_idx = offs_m[:, None]
-    q = q_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_D])
-    do = do_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_DV])
+    q = _load_tile(q_desc, b, h, q_first, BLOCK_M, BLOCK_D, TMA)
+    do = _load_tile(do_desc, b, h, q_first, BLOCK_M, BLOCK_DV, TMA)
     rows = bh.to(tl.int64) * q_len + offs_m
     lse = tl.load(LSE + rows, mask=offs_m < q_len, other=0.0)
     # A row whose every logit the score expression made -inf has LSE -inf: read as +inf, each of
@@ -314,7 +348,7 @@ def _attention_bwd_dq(
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     # delta = rowsum(dO * O) - dLSE, the softmax-backward term with the LSE's own gradient; stored
     # for the dK/dV kernel, which runs after this one.
-    o = o_desc.load([b, h, q_first, 0]).reshape([BLOCK_M, BLOCK_DV])
+    o = _load_tile(o_desc, b, h, q_first, BLOCK_M, BLOCK_DV, TMA)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - tl.load(DLSE + rows, mask=offs_m < q_len, other=0.0)
     tl.store(DELTA + rows, delta, mask=offs_m < q_len)
 
@@ -322,27 +356,27 @@ def _attention_bwd_dq(
     dq = _dq_kv_blocks(
         dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
         kv_lo, full_lo, q_idx, q_len, kv_len, scale, param_num_heads,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
     )
     dq = _dq_kv_blocks(
         dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
         full_lo, full_hi, q_idx, q_len, kv_len, scale, param_num_heads,
-        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
     )
     dq = _dq_kv_blocks(
         dq, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
         full_hi, kv_hi, q_idx, q_len, kv_len, scale, param_num_heads,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
     )
 
-    dq_desc.store([b, h, q_first, 0], (dq * scale).to(dq_desc.dtype).reshape([1, 1, BLOCK_M, BLOCK_D]))
+    _store_tile(dq_desc, b, h, q_first, dq * scale, BLOCK_M, BLOCK_D, TMA)
 
 
 @triton.jit
 def _dkdv_q_blocks(
     dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
     block_lo, block_hi, kv_idx, q_len, kv_len, scale, param_num_heads,
-    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TMA: tl.constexpr,
 ):
     """dK and dV contributions of a run of q blocks, recomputing P from the LSE.
 
@@ -353,8 +387,8 @@ def _dkdv_q_blocks(
         start = block * BLOCK_M
         offs_m = start + tl.arange(0, BLOCK_M)
         q_idx = offs_m[None, :]
-        q = q_desc.load([b, h, start, 0]).reshape([BLOCK_M, BLOCK_D])
-        do = do_desc.load([b, h, start, 0]).reshape([BLOCK_M, BLOCK_DV])
+        q = _load_tile(q_desc, b, h, start, BLOCK_M, BLOCK_D, TMA)
+        do = _load_tile(do_desc, b, h, start, BLOCK_M, BLOCK_DV, TMA)
         if MASKED:
             lse = tl.load(lse_row + offs_m, mask=offs_m < q_len, other=0.0)
             delta = tl.load(delta_row + offs_m, mask=offs_m < q_len, other=0.0)
@@ -379,7 +413,7 @@ def _attention_bwd_dkdv(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dk_desc, dv_desc,
     num_heads, q_len, kv_len, scale, param_num_heads,
     GROUP: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TMA: tl.constexpr,
 ):
     """dK and dV of one kv block, over the query heads of its group (GQA), or over one of SPLITS
     equal parts of them: then dk_desc and dv_desc hold float32 partial sums, one per part."""
@@ -392,8 +426,8 @@ def _attention_bwd_dkdv(
     kv_last = tl.minimum(kv_first + BLOCK_N, kv_len) - 1
 
     kv_idx = (kv_first + tl.arange(0, BLOCK_N))[:, None]
-    k = k_desc.load([b, h_kv, kv_first, 0]).reshape([BLOCK_N, BLOCK_D])
-    v = v_desc.load([b, h_kv, kv_first, 0]).reshape([BLOCK_N, BLOCK_DV])
+    k = _load_tile(k_desc, b, h_kv, kv_first, BLOCK_N, BLOCK_D, TMA)
+    v = _load_tile(v_desc, b, h_kv, kv_first, BLOCK_N, BLOCK_DV, TMA)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -410,21 +444,21 @@ def _attention_bwd_dkdv(
         dk, dv = _dkdv_q_blocks(
             dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
             q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_num_heads,
-            MASKED=True, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+            MASKED=True, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
         )
         dk, dv = _dkdv_q_blocks(
             dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
             q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, param_num_heads,
-            MASKED=False, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+            MASKED=False, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
         )
         dk, dv = _dkdv_q_blocks(
             dk, dv, k, v, q_desc, do_desc, lse_row, delta_row, b, h,
             q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, param_num_heads,
-            MASKED=True, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+            MASKED=True, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
         )
 
-    dk_desc.store([b, part, kv_first, 0], (dk * scale).to(dk_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_D]))
-    dv_desc.store([b, part, kv_first, 0], dv.to(dv_desc.dtype).reshape([1, 1, BLOCK_N, BLOCK_DV]))
+    _store_tile(dk_desc, b, part, kv_first, dk * scale, BLOCK_N, BLOCK_D, TMA)
+    _store_tile(dv_desc, b, part, kv_first, dv, BLOCK_N, BLOCK_DV, TMA)
 
 
 @triton.jit
@@ -1185,9 +1219,21 @@ def _tma_ready(t):
 
 
 def _descriptor(t, rows, width=BLOCK_D):
-    """A tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width] tiles."""
+    """How the Triton kernels read and write [batch, heads, seq, head_dim] in [rows, width] tiles
+    (_load_tile, _store_tile): a tensor descriptor (see _tma), else the tensor with its batch, head
+    and seq strides, seq and head_dim, for pointer tiles (on an A100, Triton lowers descriptors to
+    per-element loads whose registers spill 1.6-6.8 KB a thread: `attngen check --target sm80`)."""
     t = _tma_ready(t)
+    if not _tma(t.device):
+        return (t, *t.stride()[:3], *t.shape[2:])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width])
+
+
+def _tma(device):
+    """Whether the Triton kernels move tiles with tensor descriptors: yes on NVIDIA GPUs from Hopper
+    on (TMA), on AMD GPUs (pointer tiles, pipelined through LDS, would pass its 64 KiB with the
+    tuned tiles) and under the interpreter; no on older NVIDIA GPUs (pointer tiles)."""
+    return device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] >= 9
 
 
 def _nvmma_descriptor(t, rows, width=BLOCK_D):
@@ -1239,7 +1285,8 @@ def _forward(q, k, v, scale, params):
         _attention_fwd[grid](
             _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV), _descriptor(out, block_m, BLOCK_DV), lse,
             heads, q_len, kv_len, scale, *params, GROUP=group,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
+            num_warps=warps, num_stages=stages,
         )
     return out, lse
 
@@ -1258,7 +1305,8 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         _descriptor(out, DQ_BLOCK_M, BLOCK_DV), _descriptor(dout, DQ_BLOCK_M, BLOCK_DV), lse, dlse.float().contiguous(), delta,
         _descriptor(dq, DQ_BLOCK_M),
         heads, q_len, kv_len, scale, *params, GROUP=group,
-        BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
+        BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
+        num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
     )
     hopper = _runs_sm90(q, SM90_BACKWARD)
     block_m, block_n = (SM90_DKDV_BLOCK_M, SM90_DKDV_BLOCK_N) if hopper else (DKDV_BLOCK_M, DKDV_BLOCK_N)
@@ -1287,7 +1335,8 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         _descriptor(dout, block_m, BLOCK_DV), lse, delta,
         _descriptor(dk_parts, block_n), _descriptor(dv_parts, block_n, BLOCK_DV),
         heads, q_len, kv_len, scale, *params, GROUP=group, SPLITS=splits,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
+        num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
     )
     if splits > 1:
         dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
