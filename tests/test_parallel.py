@@ -207,7 +207,10 @@ def test_layouts_cut_the_sequence_into_the_rank_pieces():
 
 
 def test_hidden_block_pairs_are_skipped_whole():
-    """visits(): False only where the mask hides every pair, by brute force over small blocks."""
+    """visits(): False only where the mask hides every pair, by brute force over small blocks; the
+    JAX ring's answer (jax.numpy, as traced offsets take it) is the same."""
+    import jax.numpy as jnp
+
     from attngen.reference import dense_mask
 
     for name, params in [
@@ -226,6 +229,8 @@ def test_hidden_block_pairs_are_skipped_whole():
                 seen = visible[q[0] : q[0] + q[1], kv[0] : kv[0] + kv[1]].any()
                 visits = sharded.visits(q, kv, (LENGTH, LENGTH), params)
                 assert visits or not seen, (name, q, kv)
+                offsets = (jnp.int32(q[0]), q[1]), (jnp.int32(kv[0]), kv[1])
+                assert bool(sharded.visits(*offsets, (LENGTH, LENGTH), params, xp=jnp)) == visits
                 skipped += not visits
         assert skipped > 0, name  # the bounds do skip (each of these masks hides whole blocks)
 

@@ -11,7 +11,7 @@ block's kernels (memory per device stays one shard); "allgather" gathers K/V onc
 cheap where K/V are small: GQA, MQA).
 
 This module holds what both share: where each device's shard lies in the sequence, and the
-host-side test that skips a whole block pair the mask hides.
+test that skips a whole block pair the mask hides (on the host for torch, traced for JAX).
 """
 
 from __future__ import annotations
@@ -121,15 +121,20 @@ class ShardedSpec:
                         f"sequence ({total}), got {shape[at]}"
                     )
 
-    def visits(self, q: tuple[int, int], kv: tuple[int, int], totals: tuple[int, int], params: dict) -> bool:
+    def visits(self, q: tuple[int, int], kv: tuple[int, int], totals: tuple[int, int], params: dict, xp=np):
         """Whether queries q = (start, size) may see any key of kv = (start, size): False only when
-        the tile analysis proves the pair EMPTY."""
+        the tile analysis proves the pair EMPTY. xp=jax.numpy: starts and scalar params may be
+        traced, and the answer is a traced bool (for lax.cond) unless the sizes or the mask decide."""
         if q[1] == 0 or kv[1] == 0:
             return False
         if self._bounds is None:
             return True
         env = {
-            **{name: value for name, value in params.items() if isinstance(value, (int, float))},
+            **{
+                name: value
+                for name, value in params.items()
+                if isinstance(value, (int, float)) or (xp is not np and np.ndim(value) == 0)
+            },
             "q_offset": q[0],
             "kv_offset": kv[0],
             "q_total": totals[0],
@@ -139,5 +144,6 @@ class ShardedSpec:
             "q_len": q[1],
             "kv_len": kv[1],
         }
-        env["kv_lo"] = evaluate(self._bounds.lo, env)  # hi may read lo
-        return bool(env["kv_lo"] < evaluate(self._bounds.hi, env))
+        env["kv_lo"] = evaluate(self._bounds.lo, env, xp)  # hi may read lo
+        visible = env["kv_lo"] < evaluate(self._bounds.hi, env, xp)
+        return bool(visible) if xp is np else visible

@@ -7,7 +7,8 @@ q, k, v are whole [batch, heads, seq, head_dim] arrays (sharded or not); the seq
 the mesh axis `axis` inside: padded to a multiple of the chunks (the sharded spec hides positions
 past the sequence), put in the layout's order (zigzag: device r holds chunks r and 2W - 1 - r),
 and the output put back. Offsets are traced (lax.axis_index), so the kernels take them as traced
-params; tile bounds still skip EMPTY tiles inside each kernel, but no block pair is skipped whole.
+params; a block pair the mask hides whole (causal's upper triangle, a window's distant blocks) runs
+no kernel (lax.cond on the closed-form bounds, traced), and tile bounds skip EMPTY tiles inside.
 
 Ring mode is a jax.custom_vjp: the forward passes K/V around the ring with lax.ppermute (XLA
 overlaps each permute with the block's kernels), the backward runs the ring again with the merged
@@ -162,6 +163,15 @@ class ContextParallel:
         return ring(q, k, v, arrays)
 
 
+def _when(visible, block, hidden, *operands):
+    """block(*operands) where the pair may be visible, else hidden(*shapes of block's results): a
+    lax.cond when the answer is traced (the device index decides), plain Python when it is known."""
+    skip = lambda *_: hidden(*jax.eval_shape(block, *operands))
+    if isinstance(visible, bool):
+        return (block if visible else skip)(*operands)
+    return lax.cond(visible, block, skip, *operands)
+
+
 def _add_sink(out, lse, sink):
     """Out and LSE with the sink joined to each row's denominator once (after every block's merge)."""
     total = jnp.logaddexp(lse, sink[..., None])
@@ -178,24 +188,33 @@ class _RingBlocks:
         self.next = [(r, (r + 1) % cp.world) for r in range(cp.world)]
 
     def _pairs(self, step, arrays):
-        """(q slice, kv slice, kernel params) of every chunk pair at ring step `step`."""
+        """(q slice, kv slice, kernel params, visible) of every chunk pair at ring step `step`;
+        visible: whether the mask may show the pair anything (traced: the device index is)."""
         device = lax.axis_index(self.cp.axis)
         source = (device - step) % self.cp.world
         params = {**arrays, **self.constants}
         for q_start, q_at in self.cp._pieces(device, self.q_chunk):
             for kv_start, kv_at in self.cp._pieces(source, self.kv_chunk):
                 args = self.cp._kernel_params(params, q_start, kv_start, self.totals)
-                yield slice(q_at, q_at + self.q_chunk), slice(kv_at, kv_at + self.kv_chunk), args
+                visible = self.cp.sharded.visits(
+                    (q_start, self.q_chunk), (kv_start, self.kv_chunk), self.totals, params, xp=jnp
+                )
+                yield slice(q_at, q_at + self.q_chunk), slice(kv_at, kv_at + self.kv_chunk), args, visible
 
     def forward(self, q, k, v, arrays):
         module = self.cp.module
         out = jnp.zeros((*q.shape[:3], v.shape[3]), jnp.float32)
         lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
         for step in range(self.cp.world):
-            for rows, cols, args in self._pairs(step, arrays):
-                part, part_lse = module.attention_forward(
-                    q[:, :, rows], k[:, :, cols], v[:, :, cols], scale=self.scale, interpret=self.cp.interpret, **args
-                )
+            for rows, cols, args, visible in self._pairs(step, arrays):
+
+                def block(q, k, v, args=args):
+                    return module.attention_forward(q, k, v, scale=self.scale, interpret=self.cp.interpret, **args)
+
+                def hidden(out, lse):  # the mask hides the pair: no key, LSE -inf (the merge's identity)
+                    return jnp.zeros(out.shape, out.dtype), jnp.full(lse.shape, -jnp.inf, lse.dtype)
+
+                part, part_lse = _when(visible, block, hidden, q[:, :, rows], k[:, :, cols], v[:, :, cols])
                 merged, merged_lse = module.merge_partials(out[:, :, rows], lse[:, :, rows], part, part_lse)
                 out, lse = out.at[:, :, rows].set(merged), lse.at[:, :, rows].set(merged_lse)
             if step < self.cp.world - 1:
@@ -207,19 +226,20 @@ class _RingBlocks:
         dq = jnp.zeros(q.shape, jnp.float32)
         dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
         for step in range(self.cp.world):
-            for rows, cols, args in self._pairs(step, arrays):
-                dq_part, dk_part, dv_part = module.attention_backward(
-                    dout[:, :, rows],
-                    dlse[:, :, rows],
-                    q[:, :, rows],
-                    k[:, :, cols],
-                    v[:, :, cols],
-                    out[:, :, rows],
-                    lse[:, :, rows],
-                    scale=self.scale,
-                    interpret=self.cp.interpret,
-                    **args,
-                )
+            for rows, cols, args, visible in self._pairs(step, arrays):
+
+                def block(dout, dlse, q, k, v, out, lse, args=args):
+                    return module.attention_backward(
+                        dout, dlse, q, k, v, out, lse, scale=self.scale, interpret=self.cp.interpret, **args
+                    )
+
+                def hidden(*grads):
+                    return tuple(jnp.zeros(g.shape, g.dtype) for g in grads)
+
+                dq_part, dk_part, dv_part = _when(
+                    visible, block, hidden, dout[:, :, rows], dlse[:, :, rows], q[:, :, rows], k[:, :, cols],
+                    v[:, :, cols], out[:, :, rows], lse[:, :, rows],
+                )  # fmt: skip
                 dq = dq.at[:, :, rows].add(dq_part.astype(jnp.float32))
                 dk = dk.at[:, :, cols].add(dk_part.astype(jnp.float32))
                 dv = dv.at[:, :, cols].add(dv_part.astype(jnp.float32))
