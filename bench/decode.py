@@ -144,12 +144,12 @@ def main() -> None:
     print("\nReplayed from CUDA graphs (GB/s; host time per eager call in us in brackets)")
     print(f"{'L':>7} {'T':>3} " + " ".join(f"{n:>18}" for n in graph_names) + "  ours/FA2 ours/cuDNN")
     for r in rows:
-        impls_ = r["impls"]
+        measured = r["impls"]
         cells = [
-            f"{impls_[n]['graph_gb_s']:6.0f} ({impls_[n]['host_us']:4.0f} us)" if "graph_gb_s" in impls_[n] else "–"
+            f"{measured[n]['graph_gb_s']:6.0f} ({measured[n]['host_us']:4.0f} us)" if "graph_gb_s" in measured[n] else "–"
             for n in graph_names
         ]
-        ratios = [_ratio(impls_, "ours", peer, "graph_gb_s") for peer in ("FA2", "cuDNN")]
+        ratios = [_ratio(measured, "ours", peer, "graph_gb_s") for peer in ("FA2", "cuDNN")]
         print(f"{r['len']:7d} {r['new_tokens']:3d} " + " ".join(f"{c:>18}" for c in cells) + "  {:>8} {:>10}".format(*ratios))
 
 
