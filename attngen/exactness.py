@@ -14,8 +14,12 @@ a small floor added:
 * fp32: max |ours - ref| <= FLOOR["float32"] for outputs, and
   GRAD_FLOOR["float32"] * max(1, max |ref|) for gradients.
 * fp16, bf16: max |ours - ref| <= 2 * max |baseline - ref| + the same floors of the dtype.
-* LSE: within LSE_RTOL * max(1, max |ref|) on rows that see a key; -inf exactly on the rows that
-  see none, whose output must be exactly 0.
+* FP8 forward (e4m3 inputs, attention_fp8): the same, the baseline a plain FP8 forward
+  (`attention_ref_torch(..., fp8_probs=True)` in float32: P rounded to e4m3 for P V, as
+  FlashAttention-3's own test rounds it), the floor that of the bf16 output. The reference takes
+  the inputs' true values (e4m3 times descale).
+* LSE: within LSE_RTOL (1e-4; FP8 1e-3) * max(1, max |ref|) on rows that see a key; -inf exactly
+  on the rows that see none, whose output must be exactly 0.
 * A NaN in anything measured fails.
 
 Every check of the package goes through `judge`: the CPU tests through `check_forward` and
@@ -34,13 +38,16 @@ import numpy as np
 from attngen.reference import attention_ref_torch, dense_mask, evaluate, kv_heads_expanded, positions
 from attngen.spec import Spec
 
+FP8 = "float8_e4m3fn"  # attention_fp8's inputs
 # Allowed absolute error of an output beyond twice the baseline's (outputs are averages of the
 # values, so their scale is v's: unit normals in the tests and benches).
-FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3}
+FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3, FP8: 2e-3}
 # Allowed error of a gradient beyond twice the baseline's, in units of max(1, max |reference|).
 GRAD_FLOOR = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 1e-2}
 # Allowed error of the LSE (computed in float32 whatever the dtype), in units of max(1, max |LSE|).
-LSE_RTOL = 1e-4
+# FP8: Hopper's tensor cores add FP8 products keeping about 14 bits of mantissa (DeepSeek-V3's
+# report), so q.k carries errors near 1e-4 of sum |q_i k_i|, which the LSE inherits.
+LSE_RTOL = {"float32": 1e-4, "float16": 1e-4, "bfloat16": 1e-4, FP8: 1e-3}
 GRADIENTS = ("dq", "dk", "dv")
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -118,8 +125,10 @@ def allowed_error(name: str, dtype: str, baseline_error: float | None = None, ma
     """
     if dtype not in FLOOR:
         raise ValueError(f"no exactness rule for dtype {dtype!r} (known: {', '.join(FLOOR)})")
+    if is_gradient(name) and dtype not in GRAD_FLOOR:
+        raise ValueError(f"no gradient rule for {dtype}: its kernels are forward only")
     if name == "lse":
-        return LSE_RTOL * max(1.0, magnitude)
+        return LSE_RTOL[dtype] * max(1.0, magnitude)
     floor = GRAD_FLOOR[dtype] * max(1.0, magnitude) if is_gradient(name) else FLOOR[dtype]
     if dtype == "float32":
         return floor

@@ -148,6 +148,11 @@ class KernelPlan:
         return 1 << (self.head_dim_v - 1).bit_length()
 
     @property
+    def built_kernels(self) -> tuple[Kernel, ...]:
+        """The kernels the module defines: those whose config switch (enabled_by) is on."""
+        return tuple(k for k in self.kernels if not k.enabled_by or getattr(self.config, k.enabled_by))
+
+    @property
     def param_args(self) -> str:
         """The kernel params appended to an argument list: "" or ", param_a, param_b"."""
         return "".join(f", {arg}" for p in self.params for arg in p.kernel_args)

@@ -172,12 +172,14 @@ def attention_ref(spec: Spec, q, k, v, *, scale: float | None = None, **params) 
     return out, lse
 
 
-def attention_ref_torch(spec: Spec, q, k, v, *, scale: float | None = None, dtype=None, **params):
+def attention_ref_torch(spec: Spec, q, k, v, *, scale: float | None = None, dtype=None, fp8_probs=False, **params):
     """(out, lse) in torch, differentiable by autograd; q, k, v are torch tensors on any device.
 
     dtype (default float64) is the precision of every step but the score expression, which is
     evaluated in float64 and rounded back: a lower dtype makes this the plain framework
-    implementation that the FlashAttention test rule compares kernels with.
+    implementation that the FlashAttention test rule compares kernels with. fp8_probs: P = exp(score
+    - max) rounded to e4m3 for P V and summed unrounded, as an FP8 forward computes it (with dtype
+    float32, the FP8 baseline of attngen.exactness).
     """
     import torch
 
@@ -215,7 +217,10 @@ def attention_ref_torch(spec: Spec, q, k, v, *, scale: float | None = None, dtyp
     total = p.sum(dim=-1, keepdim=True)
     if sink is not None:
         total = total + torch.exp(sink - row_max)
-    out = (p / torch.where(total == 0, 1.0, total)) @ v
+    if fp8_probs:
+        out = (p.to(torch.float8_e4m3fn).to(dtype) @ v) / torch.where(total == 0, 1.0, total)
+    else:
+        out = (p / torch.where(total == 0, 1.0, total)) @ v
     lse = torch.where(
         total[..., 0] == 0, -torch.inf, torch.log(torch.where(total == 0, 1.0, total))[..., 0] + row_max[..., 0]
     )

@@ -96,3 +96,27 @@ def varlen_params(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> dict:
         name: x[None].astype(np.int32)
         for name, x in zip(("seq_q", "seq_kv", "pos_q", "pos_kv"), (seq_q, seq_kv, pos_q, pos_kv))
     }
+
+
+def fp8_quantized(x, kv_heads: int, per_head: bool = True):
+    """x as attention_fp8 takes it: e4m3 values and their descale, FlashAttention-3's recipe.
+
+    Args:
+        x: [batch, heads, seq, head_dim] float torch tensor (q, k or v).
+        kv_heads: The problem's kv heads: one descale per batch and kv head (q's query heads of one
+            kv head share theirs).
+        per_head: One descale per [batch, kv_head] (else one for the tensor).
+
+    Returns:
+        (x8 torch.float8_e4m3fn, descale float32 [batch, kv_heads] (or [] per tensor), the true
+        values x8 * descale in float32): amax / 448 maps each group's largest value to e4m3's.
+    """
+    import torch
+
+    batch, heads = x.shape[:2]
+    groups = x.float().reshape(batch, kv_heads, -1).abs()
+    amax = groups.amax(-1) if per_head else groups.amax()
+    descale = amax.clamp_min(1e-30) / 448.0
+    expanded = (descale.repeat_interleave(heads // kv_heads, 1) if per_head else descale.expand(batch, heads))[..., None, None]
+    x8 = (x.float() / expanded).to(torch.float8_e4m3fn)
+    return x8, descale, x8.float() * expanded

@@ -84,7 +84,8 @@ def test_blackwell_and_instinct_report_every_kernel_with_its_resources():
             if kernel.capabilities:  # e.g. fwd_sm90: the Triton kernels serve this GPU instead
                 assert finding.skipped and not finding.resources
                 assert finding.line().startswith(f"skip {target} {kernel.name}: not built for {target}:")
-                assert "(Triton) serve" in finding.note
+                # What serves the same entry point there; attention_fp8 has nothing else.
+                assert ("(Triton) serve" if kernel.family == "training" else "nothing else serves it") in finding.note
                 continue
             memory, registers, spill = (
                 ("shared", "registers", "stack_bytes") if target == "sm100" else ("lds", "vgprs", "scratch_bytes")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attngen.exactness import assert_forward, assert_grads, judge
+from attngen.exactness import FP8, assert_forward, assert_grads, judge
 from attngen.reference import attention_ref_torch
 from attngen.spec import load_spec, packed, retarget, with_config
-from attngen.testing import example_params
+from attngen.testing import example_params, fp8_quantized
 from tests import harness
 
 pytestmark = pytest.mark.gpu
@@ -115,6 +115,43 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
     for ours, theirs, ref in zip((out, *grads), (triton_out, *triton_grads), (ref_out, *ref_grads), strict=True):
         error = (ours.double() - ref).abs().max().item()
         assert error <= 2 * (theirs.double() - ref).abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in Path("specs").glob("*.toml")))
+def test_the_fp8_forward_is_exact_for_every_spec(name):
+    """attention_fp8 on an sm90 GPU: e4m3 q, k, v with a descale per batch and kv head (per tensor
+    for two specs), grouped kv heads, odd tails. Exact by FlashAttention-3's rule: against float64
+    on the inputs' true values, at most twice the error of a plain FP8 forward plus bf16's floor."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 forward runs on sm90 GPUs only")
+    spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
+    module = harness.load_target(spec, "triton_gpu")
+    batch, heads, kv_heads, q_len, kv_len = 2, 4, 2, 1000, 1537
+    q, k, v, _ = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    per_head = name not in ("causal_bottom_right", "full")
+    (q8, q_descale, q), (k8, k_descale, k), (v8, v_descale, v) = (
+        fp8_quantized(x.float(), kv_heads, per_head) for x in (q, k, v)
+    )
+    params = _params(name, batch, heads, q_len, kv_len, seed=1)
+    out, lse = module.attention_fp8(
+        q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, return_lse=True, **params
+    )
+    assert out.dtype == torch.bfloat16
+    ref_out, ref_lse = attention_ref_torch(spec, q, k, v, dtype=torch.float64, **params)
+    base_out, _ = attention_ref_torch(spec, q, k, v, dtype=torch.float32, fp8_probs=True, **params)
+    results = (out, lse, ref_out, ref_lse, base_out.bfloat16())
+    if name == "score_cutoff":
+        # The cut-off is decided on the FP8 product, whose additions keep about 14 bits (errors
+        # near 1e-3 here): a score that close to its bound may fall on either side. Judge the rows
+        # that have none within 5e-3; they are most of them.
+        scores = (q @ k.repeat_interleave(heads // kv_heads, 1).transpose(2, 3)).double() / spec.head_dim**0.5
+        bound = params["bound"].double()[:, None, None, None]
+        visible = torch.ones(q_len, kv_len, dtype=torch.bool, device="cuda").tril()  # causal, top-left
+        clear = ~(((scores - bound).abs() < 5e-3) & visible).any(-1)
+        assert clear.float().mean() > 0.5
+        results = tuple(x[clear][None, None] for x in results)
+    assert_forward(FP8, *results)
 
 
 def test_decoding_from_a_paged_cache_on_the_gpu():

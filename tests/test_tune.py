@@ -28,7 +28,7 @@ def test_candidates_name_each_kernels_fields():
     assert c.config(kernel("fwd_short")) == short
     fields = {f.name for f in dataclasses.fields(TritonConfig)}
     # a length, the Hopper kernels' switches and the decode split rule's occupancy are not searched
-    unsearched = {"short_kv_len", "sm90_forward", "sm90_backward", "decode_programs_per_sm"}
+    unsearched = {"short_kv_len", "sm90_forward", "sm90_backward", "sm90_fp8", "decode_programs_per_sm"}
     assert set().union(*(c.config(k) for k in KERNELS)) == fields - unsearched
 
 

@@ -54,21 +54,24 @@ class Arg:
     """A runtime argument of a GPU kernel, as a launch on contiguous inputs specialises it.
 
     kind: "desc" a tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width]
-    tiles (rows: the kernel's constexpr naming them; width: "d" head_dim or "dv" head_dim_v);
-    "nvmma_desc" the same for a Gluon kernel, into NVMMA-swizzled shared memory (wgmma's operand
-    layout); "*in"
-    a pointer to the spec's dtype, or a Triton type: "*fp32", "*i32" (pointers), "i32", "fp32". divisible: the value is a multiple of 16 (a
-    pointer: 16-byte aligned), which the compiler may assume.
+    tiles (rows: the kernel's constexpr naming them; width: "d" head_dim, "dv" head_dim_v, or a
+    constexpr's name); "nvmma_desc" the same for a Gluon kernel, into NVMMA-swizzled shared memory
+    (wgmma's operand layout); "*in" a pointer to the spec's dtype; a Triton type: "*fp32", "*i32"
+    (pointers), "i32", "fp32"; or "none": a tensor that other launches of the same function take,
+    None in this one. element: a descriptor's element type when it is not the spec's dtype
+    ("float8_e4m3fn"). divisible: the value is a multiple of 16 (a pointer: 16-byte aligned), which
+    the compiler may assume.
     """
 
     kind: str
     rows: str = ""
     width: str = "d"
     divisible: bool = False
+    element: str = ""
 
     @property
     def is_tensor(self) -> bool:
-        return self.kind.endswith("desc") or self.kind.startswith("*")
+        return self.kind.endswith("desc") or self.kind.startswith("*") or self.kind == "none"
 
 
 def desc(rows: str, width: str = "d") -> Arg:
@@ -78,6 +81,7 @@ def desc(rows: str, width: str = "d") -> Arg:
 F32_POINTER = Arg("*fp32", divisible=True)
 I32_POINTER = Arg("*i32", divisible=True)
 INPUT_POINTER = Arg("*in", divisible=True)  # a pointer to the spec's dtype (q, k, v, out)
+NOT_PASSED = Arg("none")
 I32 = Arg("i32")
 FP32 = Arg("fp32")
 # The arguments every attention kernel takes after its tensors.

@@ -15,6 +15,7 @@ from attngen.backends.base import (
     F32_POINTER,
     I32_POINTER,
     INPUT_POINTER,
+    NOT_PASSED,
     PROBLEM_ARGS,
     Arg,
     Backend,
@@ -74,6 +75,13 @@ class TritonConfig:
     sm90_block_n: int = 128
     sm90_num_warps: int = 4
     sm90_num_stages: int = 2
+    # The same kernel over FP8 e4m3 inputs (attention_fp8, Hopper only): its own tiles, as FP8 halves
+    # the bytes of a K/V tile. sm90_fp8 = 0 leaves attention_fp8 out of the module.
+    sm90_fp8: int = 1
+    sm90_fp8_block_m: int = 128
+    sm90_fp8_block_n: int = 128
+    sm90_fp8_num_warps: int = 4
+    sm90_fp8_num_stages: int = 2
     # The Hopper dK/dV kernel: sm90_dkdv_block_n keys per program in two consumer warpgroups of
     # half as many, sm90_dkdv_block_m queries per step through a ring of sm90_dkdv_num_stages Q/dO
     # buffers. sm90_backward = 0 turns it off (make_config sets its default like sm90_forward's).
@@ -110,6 +118,33 @@ _FORWARD = {
     ),
     "constexprs": (("GROUP", 1),),
 }
+FP8 = "float8_e4m3fn"
+
+
+def _forward_sm90(element: str = "") -> dict:
+    """The Hopper forward's declaration, over inputs of the spec's dtype or of FP8 e4m3 (then V
+    transposed, its keys the tiles' columns, and DESCALE: [batch, kv_heads, 2] float32)."""
+    v = Arg("nvmma_desc", "BLOCK_DV", "BLOCK_N", element=FP8) if element else Arg("nvmma_desc", "BLOCK_N", "dv")
+    return {
+        "family": "fp8" if element else "training",
+        "function": "_attention_fwd_sm90",
+        "template": "fwd_sm90.py.jinja",
+        "walks": BY_QUERY_BLOCK,
+        "step": "BLOCK_N",
+        "arguments": (
+            ("q_desc", Arg("nvmma_desc", "HALF_BLOCK_M", element=element)),
+            ("k_desc", Arg("nvmma_desc", "BLOCK_N", element=element)),
+            ("v_desc", v),
+            ("o_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
+            ("LSE", F32_POINTER),
+            ("DESCALE", F32_POINTER if element else NOT_PASSED),
+            *PROBLEM_ARGS,
+        ),
+        "language": "gluon",
+        "capabilities": (90,),
+    }
+
+
 KERNELS = (
     Kernel("fwd", about="Forward: BLOCK_M queries per program, BLOCK_N keys per step.", **_FORWARD),
     Kernel(
@@ -204,25 +239,19 @@ KERNELS = (
     ),
     Kernel(
         "fwd_sm90",
-        "training",
-        "_attention_fwd_sm90",
-        "fwd_sm90.py.jinja",
         about="Forward on Hopper (Gluon): SM90_BLOCK_M queries per program in two consumer warpgroups, SM90_BLOCK_N keys per step.",
-        walks=BY_QUERY_BLOCK,
-        step="BLOCK_N",
-        tiles="sm90_",
-        arguments=(
-            ("q_desc", Arg("nvmma_desc", "HALF_BLOCK_M")),
-            ("k_desc", Arg("nvmma_desc", "BLOCK_N")),
-            ("v_desc", Arg("nvmma_desc", "BLOCK_N", "dv")),
-            ("o_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
-            ("LSE", F32_POINTER),
-            *PROBLEM_ARGS,
-        ),
-        constexprs=(("GROUP", 1),),
         enabled_by="sm90_forward",
-        language="gluon",
-        capabilities=(90,),
+        tiles="sm90_",
+        constexprs=(("GROUP", 1), ("FP8", 0)),
+        **_forward_sm90(),
+    ),
+    Kernel(
+        "fwd_sm90_fp8",
+        about="Forward on Hopper in FP8 (attention_fp8): e4m3 q, k, v^T with descale factors, SM90_FP8_BLOCK_M queries per program, SM90_FP8_BLOCK_N keys per step.",
+        enabled_by="sm90_fp8",
+        tiles="sm90_fp8_",
+        constexprs=(("GROUP", 1), ("FP8", 1)),
+        **_forward_sm90(FP8),
     ),
     Kernel(
         "bwd_dkdv_sm90",
@@ -273,16 +302,19 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     for key, value, why in (
         ("sm90_block_m", 128, "two consumer warpgroups of 64 rows, wgmma's tile height"),
         ("sm90_num_warps", 4, "each consumer is one warpgroup"),
+        ("sm90_fp8_block_m", 128, "two consumer warpgroups of 64 rows, wgmma's tile height"),
+        ("sm90_fp8_num_warps", 4, "each consumer is one warpgroup"),
         ("sm90_dkdv_block_n", 128, "two consumer warpgroups of 64 keys, wgmma's tile height"),
         ("sm90_dkdv_num_warps", 4, "each consumer is one warpgroup"),
     ):
         if key in table and table[key] != value:
             report(f"triton {key} must be {value} ({why}), got {table[key]}", key)
-    for key in ("sm90_forward", "sm90_backward"):
+    for key in ("sm90_forward", "sm90_backward", "sm90_fp8"):
         if key in table and table[key] not in (0, 1):
             report(f"triton {key} must be 0 or 1, got {table[key]}", key)
         if table.get(key) and shape is not None and shape.dtype == "float32":
-            report(f"triton {key} needs fp16 or bf16: wgmma takes no float32 inputs", key)
+            why = "FP8 writes its output in the spec's dtype" if key == "sm90_fp8" else "wgmma takes no float32 inputs"
+            report(f"triton {key} needs fp16 or bf16: {why}", key)
     if "short_kv_len" in table and not 0 <= table["short_kv_len"] < 2**31:
         report(
             f"triton short_kv_len must be in 0..2**31-1, got {table['short_kv_len']}",
@@ -296,8 +328,11 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     # and bf16 with heads wider than 64. At 64 it only ties, and loses below 4k keys.
     config.setdefault("sm90_forward", int(shape.dtype != "float32" and shape.widest > 64))
     config.setdefault("sm90_backward", int(shape.dtype != "float32" and shape.widest > 64))
+    # FP8 has no other kernel: on for every head dim, its output in the spec's dtype.
+    config.setdefault("sm90_fp8", int(shape.dtype != "float32"))
     # K and V tiles of 128 keys fit the ring for head dims up to 128; wider heads take 64 keys.
     config.setdefault("sm90_block_n", 128 if shape.widest <= 128 else 64)
+    config.setdefault("sm90_fp8_block_n", 128 if shape.widest <= 128 else 64)
     # A gradient written per pair makes the dQ kernel store a float32 tile of block_m x block_n per
     # step: with 64 keys a step at D = 128 it passes sm90's shared memory (257 KiB, `attngen check`).
     if shape.per_pair_grads and "dq_block_n" not in table:

@@ -62,7 +62,8 @@ GPU_TARGETS = {
     "gfx950": GpuTarget("gfx950", "hip", "gfx950", 64, 160 * 1024),  # MI350X, MI355X (CDNA4)
 }
 
-_ELEMENT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_ELEMENT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8e4nv"}
+_GLUON_ELEMENT = {"bfloat16": "bfloat16", "float16": "float16", "float8_e4m3fn": "float8e4nv"}
 
 
 def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> Iterator[Finding]:
@@ -112,7 +113,7 @@ def _signature(module, kernel: Kernel, dtype: str, tma: bool = True):
         "HEAD_DIM": module.HEAD_DIM,
         "HEAD_DIM_V": module.HEAD_DIM_V,
     }
-    widths = {"d": module.BLOCK_D, "dv": module.BLOCK_DV}
+    widths = {"d": module.BLOCK_D, "dv": module.BLOCK_DV, **constexpr_values}
     tensors = getattr(module, "TENSOR_PARAMS", {})
     signature, constexprs, attrs = {}, {}, {}
     for index, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
@@ -131,7 +132,10 @@ def _signature(module, kernel: Kernel, dtype: str, tma: bool = True):
             rows = constexpr_values[declared.rows]
             signature[name] = f"tensordesc<{_ELEMENT[dtype]}[1,1,{rows},{widths[declared.width]}]>"
         elif declared is not None and declared.kind == "nvmma_desc":
-            signature[name] = _nvmma_descriptor_type(dtype, constexpr_values[declared.rows], widths[declared.width])
+            element = declared.element or dtype
+            signature[name] = _nvmma_descriptor_type(element, constexpr_values[declared.rows], widths[declared.width])
+        elif declared is not None and declared.kind == "none":  # a launch passes None: a constexpr
+            signature[name], constexprs[name] = "constexpr", None
         elif declared is not None:
             signature[name] = f"*{_ELEMENT[dtype]}" if declared.kind == "*in" else declared.kind
         # What the spec adds after the declared arguments: block tables, its params, trained reads' outputs.
@@ -160,7 +164,7 @@ def _nvmma_descriptor_type(dtype: str, rows: int, width: int) -> str:
     from triton.experimental.gluon import language as gl
 
     block = [1, 1, rows, width]
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GLUON_ELEMENT[dtype]))
     return f"tensordesc<{_ELEMENT[dtype]}{block},{layout!r}>"
 
 
@@ -217,11 +221,14 @@ def _not_built_note(module, kernel: Kernel, target: GpuTarget) -> str:
         k.name
         for k in TRITON_GPU.kernels
         if not k.capabilities
+        and k.family == kernel.family
         and kernel.function.startswith(k.function)
         and (k.enabled_by is None or getattr(module, k.enabled_by.upper()))
     ]
     archs = ", ".join(f"sm{capability}" for capability in kernel.capabilities)
     what = kernel.about.split(":")[0]  # e.g. "Forward on Hopper (Gluon)"
+    if not instead and kernel.family != "training":  # attention_fp8: nothing else runs it
+        return f"not built for {target.name}: {what} runs on {archs} only, and nothing else serves it"
     serve = f"{' and '.join(instead)} (Triton) serve{'s' if len(instead) == 1 else ''}" if instead else "Triton serves"
     return f"not built for {target.name}: {what} runs on {archs} only; {serve} this GPU"
 

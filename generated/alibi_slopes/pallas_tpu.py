@@ -898,12 +898,13 @@ def _as_bhsd(layout, *arrays):
     return tuple(jnp.swapaxes(t, 1, 2) if getattr(t, "ndim", None) == 4 else t for t in arrays)
 
 
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, dtype=DTYPE):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if getattr(t, "ndim", None) != 4:
             raise ValueError(f"{name} must be a 4-D array [batch, heads, seq, head_dim]")
-        if t.dtype != DTYPE:
-            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
+        if t.dtype != dtype:
+            wanted = f"{dtype} (the spec's dtype)" if dtype == DTYPE else dtype
+            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {wanted}")
         head_dim = HEAD_DIM_V if name == "v" else HEAD_DIM
         if t.shape[-1] != head_dim:
             raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {head_dim}")

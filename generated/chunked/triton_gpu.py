@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.chunked_4d5f207253d9_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.chunked_be7b38d16cb9_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -111,6 +111,12 @@ SM90_BLOCK_M = 128
 SM90_BLOCK_N = 128
 SM90_NUM_WARPS = 4
 SM90_NUM_STAGES = 2
+# Forward on Hopper in FP8 (attention_fp8): e4m3 q, k, v^T with descale factors, SM90_FP8_BLOCK_M queries per program, SM90_FP8_BLOCK_N keys per step.
+SM90_FP8 = 1
+SM90_FP8_BLOCK_M = 128
+SM90_FP8_BLOCK_N = 128
+SM90_FP8_NUM_WARPS = 4
+SM90_FP8_NUM_STAGES = 2
 # Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program in two consumer warpgroups, SM90_DKDV_BLOCK_M queries per step.
 SM90_BACKWARD = 1
 SM90_DKDV_BLOCK_M = 64
@@ -767,11 +773,15 @@ def attention_with_kvcache(
 # and run the online softmax with asynchronous wgmma, the softmax of one kv block under the QK^T of
 # the next. The registers move to the consumers (setmaxnreg). Same tile bounds, mask and score
 # functions as the kernels above.
+#
+# FP8 (attention_fp8): q, k, v in float8 e4m3 with descale factors, the output in the spec's dtype.
+# wgmma reads fp8 operands from shared memory only K-major, so V arrives transposed (V^T, its keys
+# contiguous: _fp8_transposed) and P is rounded to e4m3 before P V, as FlashAttention-3 does.
 
 
 @gluon.jit
 def _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, block_lo, block_hi, it,
-                   STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                   STAGES: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
     """Stream the K and V tiles of one run of kv blocks into the ring; `it` counts ring slots used."""
     for block in range(block_lo, block_hi):
         slot = it % STAGES
@@ -782,14 +792,17 @@ def _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, block * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, block * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        if FP8:  # V^T: the block's keys are columns
+            tma.async_copy_global_to_shared(v_desc, [b, h_kv, 0, block * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [b, h_kv, block * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
         it += 1
     return it
 
 
 @gluon.jit
 def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                 b, h, h_kv, q_first, kv_lo, kv_hi, full_lo, full_hi, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                 b, h, h_kv, q_first, kv_lo, kv_hi, full_lo, full_hi, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
     """The loader warp: each consumer's half of the Q tile, then the K/V tiles of every run in order."""
     for half in gl.static_range(2):
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
@@ -798,11 +811,11 @@ def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_read
         )
     it = 0
     it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, kv_lo, full_lo, it,
-                        STAGES, BLOCK_N)
+                        STAGES, BLOCK_N, FP8)
     it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, full_lo, full_hi, it,
-                        STAGES, BLOCK_N)
+                        STAGES, BLOCK_N, FP8)
     it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, full_hi, kv_hi, it,
-                        STAGES, BLOCK_N)
+                        STAGES, BLOCK_N, FP8)
 
 
 @gluon.jit
@@ -824,15 +837,56 @@ def _sm90_softmax_step(qk, m_i, l_i, q_idx, kv_idx, b, h, q_len, kv_len, scale, 
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
+@gluon.constexpr_function
+def _sm90_acc_layout(columns, fp8):
+    """wgmma's accumulator layout for one warpgroup's 64 rows; its instruction reduces over 16 16-bit
+    or 32 8-bit elements."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 32 if fp8 else 16])
+
+
+@gluon.jit
+def _sm90_v_operand(v_smem, slot, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, FP8: gl.constexpr):
+    """The V tile of a ring slot as P V's [BLOCK_N, BLOCK_DV] operand (a transposed view of V^T in FP8)."""
+    if FP8:
+        return v_smem.index(slot).reshape([BLOCK_DV, BLOCK_N]).permute((1, 0))
+    else:
+        return v_smem.index(slot).reshape([BLOCK_N, BLOCK_DV])
+
+
+@gluon.jit
+def _sm90_p_operand(p, v_tile, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """P in V's dtype as P V's register operand. FP8: wgmma's accumulator gives lane l keys
+    {2j, 2j + 1, 2j + 8, 2j + 9} + 16i of every 32 (j = l % 4), its FP8 operand wants {4j, ..., 4j + 3}
+    + 16i, so V^T holds its keys in that order (_fp8_transposed) and P's columns follow it: each
+    value stays in its thread, and the layout conversion moves no data between threads."""
+    if FP8:
+        ROWS: gl.constexpr = p.shape[0]
+        BLOCK_N: gl.constexpr = p.shape[1]
+        # Key 32c + 16i + 8a + 2j + z goes to column 32c + 16i + 4j + 2a + z.
+        p = p.reshape([ROWS, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([ROWS, BLOCK_N])
+    return gl.convert_layout(p.to(v_tile.dtype), p_layout)
+
+
+@gluon.jit
+def _sm90_wait_pv(acc, v_tile, p_op, FP8: gl.constexpr):
+    """Wait for P V. Triton 3.6 cannot hold 8-bit registers in a wait's deps (it fails to lower), so
+    FP8 leaves P out of them; ptxas keeps a wgmma's register operands intact until its wait."""
+    if FP8:
+        return warpgroup_mma_wait(0, deps=(acc, v_tile))[0]
+    else:
+        return warpgroup_mma_wait(0, deps=(acc, v_tile, p_op))[0]
+
+
 @gluon.jit
 def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                       block_lo, block_hi, q_idx, b, h, q_len, kv_len, scale, param_chunk,
-                      MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                      MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
     """One consumer warpgroup over one run of kv blocks. P V of each block is issued together with
     the next block's Q K^T, and the softmax of that next block runs while P V is in flight."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_N, FP8)
     o_layout: gl.constexpr = acc.type.layout
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # P as wgmma's register operand: 32 bits of consecutive keys per register.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     ROWS: gl.constexpr = q_tile.shape[0]
@@ -858,42 +912,47 @@ def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empt
             k_tile = k_smem.index(next_slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
             qk = warpgroup_mma(q_tile, k_tile, s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
-            v_tile = v_smem.index(slot).reshape([BLOCK_N, BLOCK_DV])
-            p_op = gl.convert_layout(p.to(v_tile.dtype), p_layout)
+            v_tile = _sm90_v_operand(v_smem, slot, BLOCK_N, BLOCK_DV, FP8)
+            p_op = _sm90_p_operand(p, v_tile, p_layout, FP8)
             acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
             # Q K^T was issued first, so it completes first: wait for it alone.
             qk = warpgroup_mma_wait(1, deps=(qk, q_tile, k_tile))[0]
             mbarrier.arrive(k_empty.index(next_slot), count=1)
             kv_idx = gl.expand_dims(block * BLOCK_N + gl.arange(0, BLOCK_N, cols_s), 0)
             p, alpha, m_i, l_i = _sm90_softmax_step(qk, m_i, l_i, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_chunk, MASKED)
-            acc = warpgroup_mma_wait(0, deps=(acc, v_tile, p_op))[0]
+            acc = _sm90_wait_pv(acc, v_tile, p_op, FP8)
             mbarrier.arrive(v_empty.index(slot), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
             it += 1
             slot = next_slot
         # The run's last P V.
         mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
-        v_tile = v_smem.index(slot).reshape([BLOCK_N, BLOCK_DV])
-        p_op = gl.convert_layout(p.to(v_tile.dtype), p_layout)
+        v_tile = _sm90_v_operand(v_smem, slot, BLOCK_N, BLOCK_DV, FP8)
+        p_op = _sm90_p_operand(p, v_tile, p_layout, FP8)
         acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, v_tile, p_op))[0]
+        acc = _sm90_wait_pv(acc, v_tile, p_op, FP8)
         mbarrier.arrive(v_empty.index(slot), count=1)
         it += 1
     return acc, l_i, m_i, it
 
 
 @gluon.jit
-def _sm90_consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+def _sm90_consumer(o_desc, LSE, descale, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                    b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_chunk,
-                   HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                   HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
     """A consumer warpgroup: query rows [HALF * ROWS, (HALF + 1) * ROWS) of the tile."""
     gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
     ROWS: gl.constexpr = q_smem.shape[3]
     BLOCK_D: gl.constexpr = q_smem.shape[4]
     BLOCK_DV: gl.constexpr = o_smem.shape[4]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_DV, 16])
+    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_N, FP8)
+    o_layout: gl.constexpr = _sm90_acc_layout(BLOCK_DV, FP8)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    if FP8:  # descale: (q's descale * k's, v's descale) of this program's kv head
+        qk_descale = gl.load(descale)  # q.k of the stored values times this is q.k of the true ones
+        # The softmax takes the scale to be >= 0 (the host refuses a negative scale): a negative
+        # descale gives NaN, not a wrong answer.
+        scale = gl.where(qk_descale >= 0.0, scale * qk_descale, float("nan"))
 
     q_first = q_first + HALF * ROWS
     q_idx = gl.expand_dims(q_first + gl.arange(0, ROWS, rows_s), 1)
@@ -905,20 +964,22 @@ def _sm90_consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready
     it = 0
     acc, l_i, m_i, it = _sm90_consume_run(
         acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-        kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, param_chunk, True, STAGES, BLOCK_N,
+        kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, param_chunk, True, STAGES, BLOCK_N, FP8,
     )
     acc, l_i, m_i, it = _sm90_consume_run(
         acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-        full_lo, full_hi, q_idx, b, h, q_len, kv_len, scale, param_chunk, False, STAGES, BLOCK_N,
+        full_lo, full_hi, q_idx, b, h, q_len, kv_len, scale, param_chunk, False, STAGES, BLOCK_N, FP8,
     )
     acc, l_i, m_i, it = _sm90_consume_run(
         acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-        full_hi, kv_hi, q_idx, b, h, q_len, kv_len, scale, param_chunk, True, STAGES, BLOCK_N,
+        full_hi, kv_hi, q_idx, b, h, q_len, kv_len, scale, param_chunk, True, STAGES, BLOCK_N, FP8,
     )
 
     # A row with no visible key has l = 0 and acc = 0: its output is 0 and its LSE -inf.
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+    if FP8:
+        out = out * gl.load(descale + 1)
     o_tile = o_smem.index(HALF)
     o_tile.reshape([ROWS, BLOCK_DV]).store(out.to(o_desc.dtype))
     fence_async_shared()
@@ -931,10 +992,10 @@ def _sm90_consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "param_chunk"])
 def _attention_fwd_sm90(
-    q_desc, k_desc, v_desc, o_desc, LSE,
+    q_desc, k_desc, v_desc, o_desc, LSE, DESCALE,
     num_heads, q_len, kv_len, scale, param_chunk,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, FP8: gl.constexpr,
 ):
     # Heaviest q blocks first, as in _attention_fwd.
     q_block = gl.num_programs(0) - 1 - gl.program_id(0)
@@ -942,6 +1003,10 @@ def _attention_fwd_sm90(
     b = bh // num_heads
     h = bh % num_heads
     q_first = q_block * BLOCK_M
+    if FP8:  # DESCALE: [batch, kv_heads, 2] of (q's descale * k's, v's descale)
+        descale = DESCALE + (b * (num_heads // GROUP) + h // GROUP) * 2
+    else:
+        descale = 0  # unread (a warp-specialized partition takes no None)
     q_last = gl.minimum(q_first + BLOCK_M, q_len) - 1
     kv_lo = floordiv(param_chunk * floordiv(q_first, param_chunk), BLOCK_N)
     kv_hi = floordiv(tl.minimum(tl.minimum(BLOCK_N + q_last, BLOCK_N + kv_len - 1), BLOCK_N + param_chunk + param_chunk * floordiv(q_last, param_chunk) - 1), BLOCK_N)
@@ -950,12 +1015,15 @@ def _attention_fwd_sm90(
 
     ROWS: gl.constexpr = BLOCK_M // 2  # per consumer warpgroup
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], q_desc.layout)
-    if BLOCK_DV == BLOCK_D:
+    if BLOCK_DV == BLOCK_D and not FP8:
         o_smem = q_smem  # each consumer's half of Q is dead by the time it stores its output there
     else:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+    if FP8:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_DV, BLOCK_N], v_desc.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -973,18 +1041,18 @@ def _attention_fwd_sm90(
         [
             (
                 _sm90_consumer,
-                (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                 b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_chunk, 0, STAGES, BLOCK_N),
+                (o_desc, LSE, descale, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                 b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_chunk, 0, STAGES, BLOCK_N, FP8),
             ),
             (
                 _sm90_consumer,
-                (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                 b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_chunk, 1, STAGES, BLOCK_N),
+                (o_desc, LSE, descale, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                 b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_chunk, 1, STAGES, BLOCK_N, FP8),
             ),
             (
                 _sm90_loader,
                 (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                 b, h, h // GROUP, q_first, kv_lo, kv_hi, full_lo, full_hi, STAGES, BLOCK_N),
+                 b, h, h // GROUP, q_first, kv_lo, kv_hi, full_lo, full_hi, STAGES, BLOCK_N, FP8),
             ),
         ],
         [4, 1],  # warps: the second consumer, the loader
@@ -1236,11 +1304,14 @@ def _tma(device):
     return device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] >= 9
 
 
+_GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
 def _nvmma_descriptor(t, rows, width=BLOCK_D):
     """The same for the Hopper kernels, whose tiles land in shared memory in wgmma's swizzled layout."""
     t = _tma_ready(t)
     block = [1, 1, rows, width]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPES[t.dtype])
     return NvmmaTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -1255,28 +1326,26 @@ def _output_like(q):
     layout is contiguous."""
     batch, heads, q_len, _ = q.shape
     if heads > 1 and q_len > 1 and q.stride(1) < q.stride(2):
-        return q.new_empty((batch, q_len, heads, HEAD_DIM_V)).transpose(1, 2)
-    return q.new_empty((batch, heads, q_len, HEAD_DIM_V))
+        return q.new_empty((batch, q_len, heads, HEAD_DIM_V), dtype=DTYPE).transpose(1, 2)
+    return q.new_empty((batch, heads, q_len, HEAD_DIM_V), dtype=DTYPE)
 
 
-def _forward(q, k, v, scale, params):
-    """(out, lse) for q [B, H, Lq, D], k, v [B, H_kv, Lk, D]; lse float32 [B, H, Lq]."""
+def _forward(q, k, v, scale, params, descale=None):
+    """(out, lse) for q [B, H, Lq, D], k, v [B, H_kv, Lk, D]; lse float32 [B, H, Lq]. With descale
+    (attention_fp8): q, k, v in FP8, on the Hopper kernel."""
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
     out = _output_like(q)
     lse = torch.empty((batch, heads, q_len), device=q.device, dtype=torch.float32)
     if kv_len == 0:  # no key at all: every row is empty (and a descriptor cannot span 0 rows)
         return out.zero_(), lse.fill_(float("-inf"))
+    if descale is not None:
+        if out.numel() > 0:
+            _forward_sm90(q, k, _fp8_transposed(v), out, lse, scale, params, descale)
+        return out, lse
     # A negative scale takes the Triton forward, which flips q's sign (the Hopper one folds the scale into exp2).
     if out.numel() > 0 and _runs_sm90(q, SM90_FORWARD) and scale >= 0:
-        rows = SM90_BLOCK_M // 2  # per consumer warpgroup
-        grid = (_cdiv(q_len, SM90_BLOCK_M), batch * heads)
-        _attention_fwd_sm90[grid](
-            _nvmma_descriptor(q, rows), _nvmma_descriptor(k, SM90_BLOCK_N), _nvmma_descriptor(v, SM90_BLOCK_N, BLOCK_DV),
-            _nvmma_descriptor(out, rows, BLOCK_DV), lse, heads, q_len, kv_len, scale, *params, GROUP=group,
-            BLOCK_M=SM90_BLOCK_M, BLOCK_N=SM90_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=SM90_NUM_STAGES,
-            num_warps=SM90_NUM_WARPS, maxnreg=SM90_MAX_REGISTERS,
-        )
+        _forward_sm90(q, k, v, out, lse, scale, params)
     elif out.numel() > 0:
         if kv_len <= SHORT_KV_LEN:
             block_m, block_n, warps, stages = SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_NUM_WARPS, SHORT_NUM_STAGES
@@ -1290,6 +1359,60 @@ def _forward(q, k, v, scale, params):
             num_warps=warps, num_stages=stages,
         )
     return out, lse
+
+
+
+def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
+    """The Hopper forward into out and lse; with descale (FP8), v is V^T (_fp8_transposed)."""
+    batch, heads, q_len, _ = q.shape
+    group, kv_len = heads // k.shape[1], k.shape[2]
+    if descale is None:
+        block_m, block_n, stages, warps = SM90_BLOCK_M, SM90_BLOCK_N, SM90_NUM_STAGES, SM90_NUM_WARPS
+        v_desc = _nvmma_descriptor(v, block_n, BLOCK_DV)
+    else:
+        block_m, block_n, stages, warps = SM90_FP8_BLOCK_M, SM90_FP8_BLOCK_N, SM90_FP8_NUM_STAGES, SM90_FP8_NUM_WARPS
+        v_desc = _nvmma_descriptor(v, BLOCK_DV, block_n)
+    rows = block_m // 2  # per consumer warpgroup
+    _attention_fwd_sm90[(_cdiv(q_len, block_m), batch * heads)](
+        _nvmma_descriptor(q, rows), _nvmma_descriptor(k, block_n), v_desc, _nvmma_descriptor(out, rows, BLOCK_DV), lse,
+        descale, heads, q_len, kv_len, scale, *params, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, FP8=descale is not None, num_warps=warps,
+        maxnreg=SM90_MAX_REGISTERS,
+    )
+
+
+def _fp8_transposed(v):
+    """V^T for the FP8 kernel: [batch, kv_heads, HEAD_DIM_V, kv_len padded to 32], as FP8 wgmma reads
+    its shared-memory operands K-major only, each 32 keys in the order P's registers hold them
+    (_sm90_p_operand), the padding zeros. One copy of v (FlashAttention-3 transposes in the kernel)."""
+    batch, kv_heads, kv_len, width = v.shape
+    transposed = v.new_empty((batch, kv_heads, width, _cdiv(kv_len, 32) * 32))
+    if transposed.numel() > 0:
+        # As bytes: torch's own strided copy moves 1-byte elements at a tenth of the bandwidth.
+        source, target = v.view(torch.uint8), transposed.view(torch.uint8)
+        _transpose_keys[(_cdiv(kv_len, 64), batch * kv_heads)](
+            source, target, kv_heads, kv_len, *source.stride()[:3], *target.stride()[:3], WIDTH=BLOCK_DV, BLOCK=64
+        )
+    return transposed
+
+
+@triton.jit
+def _transpose_keys(V, VT, kv_heads, kv_len, stride_b, stride_h, stride_s, t_stride_b, t_stride_h, t_stride_d,
+                    WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK columns of V^T (keys padded to 32, in _fp8_transposed's order) of one (batch, kv head)."""
+    bh = tl.program_id(1)
+    b, h = (bh // kv_heads).to(tl.int64), (bh % kv_heads).to(tl.int64)
+    columns = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # Column 32c + 16i + 4j + 2a + z holds key 32c + 16i + 8a + 2j + z.
+    c = columns % 32
+    keys = columns - c + (c // 16) * 16 + (c // 2 % 2) * 8 + (c // 4 % 4) * 2 + c % 2
+    cols = tl.arange(0, WIDTH)
+    in_range = (keys[:, None] < kv_len) & (cols[None, :] < 128)
+    source = V + b * stride_b + h * stride_h + keys.to(tl.int64)[:, None] * stride_s + cols[None, :]
+    tile = tl.load(source, mask=in_range, other=0)  # zeros past kv_len: the padding
+    target = VT + b * t_stride_b + h * t_stride_h + cols.to(tl.int64)[:, None] * t_stride_d + columns[None, :]
+    padded = (kv_len + 31) // 32 * 32
+    tl.store(target, tl.trans(tile), mask=(cols[:, None] < 128) & (columns[None, :] < padded))
 
 
 def _backward(dout, dlse, q, k, v, out, lse, scale, params):
@@ -1384,7 +1507,7 @@ def _sm_count(device):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "chunked_4d5f207253d9"
+_OP = "chunked_be7b38d16cb9"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -1415,7 +1538,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = torch.ops.attngen.chunked_4d5f207253d9_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.chunked_be7b38d16cb9_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -1464,10 +1587,60 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.chunked_4d5f207253d9_fwd if torch.compiler.is_compiling() else _Attention.apply
+    run = torch.ops.attngen.chunked_be7b38d16cb9_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
+
+
+
+def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, scale=None, return_lse=False, layout="bhsd", **params):
+    """The forward of spec `chunked` on FP8 inputs (FlashAttention-3's interface), on Hopper (sm90) GPUs.
+
+    q, k, v hold e4m3 values whose true values are these times their descale factors. The kernel
+    multiplies q.k in FP8 and scales it by both descales, rounds P to e4m3 for P V (as
+    FlashAttention-3 does), and writes the output in bfloat16. No gradient: forward only.
+
+    Args:
+        q, k, v: as `attention`, in torch.float8_e4m3fn; head dims multiples of 16.
+        q_descale, k_descale, v_descale: per tensor (a number, or a tensor of one element) or per
+            head (float32 [batch, kv_heads], FlashAttention-3's shape: query head h takes entry
+            h // (heads // kv_heads)); None is 1. Non-negative, as amax / 448 is: a negative q_descale * k_descale gives NaN.
+        scale, return_lse, layout, params: as `attention`; scale >= 0.
+
+    Returns:
+        out, [batch, heads, q_len, 128] torch.bfloat16 (and lse if return_lse).
+    """
+    q, k, v = _as_bhsd(layout, q, k, v)
+    _check_inputs(q, k, v, torch.float8_e4m3fn)
+    if not _runs_sm90(q, SM90_FP8):
+        raise RuntimeError(f"attention_fp8 runs on Hopper GPUs (sm90) only (FP8 wgmma); q is on {q.device}")
+    if HEAD_DIM % 16 or HEAD_DIM_V % 16:
+        raise ValueError(f"attention_fp8 needs head dims that are multiples of 16 (TMA rows of 16 bytes), not {HEAD_DIM}, {HEAD_DIM_V}")
+    scale, params = _checked_scale_and_params(q, k, v, scale, params, torch.float8_e4m3fn)
+    if not scale >= 0:
+        raise ValueError(f"attention_fp8 takes scale >= 0, got {scale}")
+    out, lse = _forward(q, k, v, scale, params, _fp8_descales(q, k, q_descale, k_descale, v_descale))
+    (out,) = _as_bhsd(layout, out)
+    return (out, lse) if return_lse else out
+
+
+def _fp8_descales(q, k, q_descale, k_descale, v_descale):
+    """The kernel's DESCALE, float32 [batch, kv_heads, 2]: q's descale times k's, and v's."""
+    batch, kv_heads = k.shape[:2]
+    factors = []
+    for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if value is None:
+            value = 1.0
+        if isinstance(value, torch.Tensor):
+            if value.device != q.device:
+                raise ValueError(f"{name} is on {value.device}, q on {q.device}")
+            if value.numel() != 1 and tuple(value.shape) != (batch, kv_heads):
+                raise ValueError(f"{name} must be one number or [batch, kv_heads] = [{batch}, {kv_heads}], got {list(value.shape)}")
+            value = value.float().reshape(() if value.numel() == 1 else (batch, kv_heads))
+        factors.append(torch.as_tensor(value, dtype=torch.float32, device=q.device).expand(batch, kv_heads))
+    q_descale, k_descale, v_descale = factors
+    return torch.stack((q_descale * k_descale, v_descale), dim=-1)
 
 
 def attention_forward(q, k, v, *, scale=None, **params):
@@ -1489,8 +1662,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, **params):
     return _backward(dout, dlse, q, k, v, out, lse, *_checked_scale_and_params(q, k, v, scale, params))
 
 
-def _checked_scale_and_params(q, k, v, scale, params):
-    _check_inputs(q, k, v)
+def _checked_scale_and_params(q, k, v, scale, params, dtype=DTYPE):
+    _check_inputs(q, k, v, dtype)
     scalars, tensors = _check_params(params)
     return float(1.0 / math.sqrt(HEAD_DIM) if scale is None else scale), [*scalars.values(), *tensors.values()]
 
@@ -1542,12 +1715,13 @@ def _as_bhsd(layout, *arrays):
     return tuple(t.transpose(1, 2) if getattr(t, "ndim", None) == 4 else t for t in arrays)
 
 
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, dtype=DTYPE):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D torch tensor [batch, heads, seq, head_dim]")
-        if t.dtype != DTYPE:
-            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
+        if t.dtype != dtype:
+            wanted = f"{dtype} (the spec's dtype)" if dtype == DTYPE else dtype
+            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {wanted}")
         head_dim = HEAD_DIM_V if name == "v" else HEAD_DIM
         if t.shape[-1] != head_dim:
             raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {head_dim}")
