@@ -35,10 +35,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from attngen.backends.base import FP8
 from attngen.reference import attention_ref_torch, dense_mask, evaluate, kv_heads_expanded, positions
 from attngen.spec import Spec
 
-FP8 = "float8_e4m3fn"  # attention_fp8's inputs
 # Allowed absolute error of an output beyond twice the baseline's (outputs are averages of the
 # values, so their scale is v's: unit normals in the tests and benches).
 FLOOR = {"float32": 2e-5, "float16": 2e-4, "bfloat16": 2e-3, FP8: 2e-3}

@@ -82,6 +82,7 @@ F32_POINTER = Arg("*fp32", divisible=True)
 I32_POINTER = Arg("*i32", divisible=True)
 INPUT_POINTER = Arg("*in", divisible=True)  # a pointer to the spec's dtype (q, k, v, out)
 NOT_PASSED = Arg("none")
+FP8 = "float8_e4m3fn"  # the element type of attention_fp8's inputs (torch's name)
 I32 = Arg("i32")
 FP32 = Arg("fp32")
 # The arguments every attention kernel takes after its tensors.

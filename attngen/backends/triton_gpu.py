@@ -13,6 +13,7 @@ from pathlib import Path
 from attngen.analysis.tiles import BY_KEY_BLOCK, BY_QUERY_BLOCK
 from attngen.backends.base import (
     F32_POINTER,
+    FP8,
     I32_POINTER,
     INPUT_POINTER,
     NOT_PASSED,
@@ -118,9 +119,6 @@ _FORWARD = {
     ),
     "constexprs": (("GROUP", 1),),
 }
-FP8 = "float8_e4m3fn"
-
-
 def _forward_sm90(element: str = "") -> dict:
     """The Hopper forward's declaration, over inputs of the spec's dtype or of FP8 e4m3 (then V
     transposed, its keys the tiles' columns, and DESCALE: [batch, kv_heads, 2] float32)."""
@@ -331,8 +329,8 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     # FP8 has no other kernel: on for every head dim, its output in the spec's dtype.
     config.setdefault("sm90_fp8", int(shape.dtype != "float32"))
     # K and V tiles of 128 keys fit the ring for head dims up to 128; wider heads take 64 keys.
-    config.setdefault("sm90_block_n", 128 if shape.widest <= 128 else 64)
-    config.setdefault("sm90_fp8_block_n", 128 if shape.widest <= 128 else 64)
+    for key in ("sm90_block_n", "sm90_fp8_block_n"):
+        config.setdefault(key, 128 if shape.widest <= 128 else 64)
     # A gradient written per pair makes the dQ kernel store a float32 tile of block_m x block_n per
     # step: with 64 keys a step at D = 128 it passes sm90's shared memory (257 KiB, `attngen check`).
     if shape.per_pair_grads and "dq_block_n" not in table:

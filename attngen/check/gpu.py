@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from attngen.backends.base import Arg, Kernel
+from attngen.backends.base import FP8, Arg, Kernel
 from attngen.backends.triton_gpu import TILE_KEYS, TRITON_GPU
 from attngen.build import import_generated
 from attngen.check.report import Finding
@@ -62,8 +62,8 @@ GPU_TARGETS = {
     "gfx950": GpuTarget("gfx950", "hip", "gfx950", 64, 160 * 1024),  # MI350X, MI355X (CDNA4)
 }
 
-_ELEMENT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8e4nv"}
-_GLUON_ELEMENT = {"bfloat16": "bfloat16", "float16": "float16", "float8_e4m3fn": "float8e4nv"}
+_ELEMENT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", FP8: "fp8e4nv"}
+_GLUON_ELEMENT = {"bfloat16": "bfloat16", "float16": "float16", FP8: "float8e4nv"}
 
 
 def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> Iterator[Finding]:
