@@ -4,6 +4,10 @@ float64 reference of attention over the whole sequence (its last rows) -- the sa
 both targets: the Triton interpreter and Pallas in TPU interpret mode."""
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -358,3 +362,38 @@ def test_new_keys_are_appended_then_attended_on_pallas(paged):
     np.testing.assert_array_equal(dropped_k, by_hand(lens + 1)[0])
     with pytest.raises(ValueError, match="together"):
         module.attention_with_kvcache(q, k_cache, v_cache, jnp.asarray(lens), k=k, block_table=table, interpret=True)
+
+
+_KV_BUFFERS = """
+import json, re, sys
+from pathlib import Path
+from attngen.backends.triton_gpu import TRITON_GPU
+from attngen.build import import_generated
+from attngen.check.gpu import compile_kernel
+module = import_generated(Path(sys.argv[1]), "_attngen_decode_structure")
+tile = f"x{module.DECODE_BLOCK_N}x{module.BLOCK_D}xbf16"
+decode = TRITON_GPU.kernel("decode")
+# One new token, four query heads per kv head (a 16-row tile), split keys: a decode step's launch.
+for page_size, stages in ((0, module.DECODE_NUM_STAGES), (16, module.DECODE_NUM_STAGES), (16, module.DECODE_NUM_STAGES_PAGED)):
+    launch = dict(GROUP=4, BLOCK_M=16, SPLIT=1, PAGE_SIZE=page_size)
+    ir = compile_kernel(module, decode, "bfloat16", 90, num_stages=stages, **launch).asm["ttgir"]
+    print(json.dumps(sorted(set(re.findall(r"memdesc<(\\d+)" + tile, ir)))))
+"""
+
+
+def test_a_paged_cache_is_pipelined_as_deep_as_a_contiguous_one():
+    """Compiled for sm_90a: Triton's pipeliner gives the block table's load a stage of its own, so at
+    the contiguous cache's stages paged K and V would be a buffer shallower (0.86x the contiguous
+    bandwidth on an H200); the paged launch's two more stages give them the contiguous depth."""
+    module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
+    result = subprocess.run(
+        [sys.executable, "-c", _KV_BUFFERS, module.__file__],
+        env={**os.environ, "TRITON_INTERPRET": "0"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    contiguous, paged_at_contiguous_stages, paged = (json.loads(line) for line in result.stdout.splitlines()[-3:])
+    assert len(contiguous) == 1 and paged == contiguous
+    assert int(paged_at_contiguous_stages[0]) < int(contiguous[0])

@@ -233,9 +233,10 @@ def _not_built_note(module, kernel: Kernel, target: GpuTarget) -> str:
     return f"not built for {target.name}: {what} runs on {archs} only; {serve} this GPU"
 
 
-def compile_kernel(module, kernel: Kernel, dtype: str, target: GpuTarget | int):
+def compile_kernel(module, kernel: Kernel, dtype: str, target: GpuTarget | int, *, num_stages=None, **constexprs):
     """One kernel of a generated triton_gpu module, compiled for `target` (an int: a CUDA compute
-    capability)."""
+    capability). num_stages and constexprs (e.g. PAGE_SIZE=16) compile another of the kernel's
+    launches than the one its declaration describes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -245,14 +246,15 @@ def compile_kernel(module, kernel: Kernel, dtype: str, target: GpuTarget | int):
         target = GpuTarget(f"sm{target}", "cuda", target, 32, max_shared=0)
     tiles = _tiles(module, kernel)
     tma = target.backend != "cuda" or target.arch >= 90  # as the module's _tma decides
-    fn, signature, constexprs, attrs = _signature(module, kernel, dtype, tma)
+    fn, signature, declared, attrs = _signature(module, kernel, dtype, tma)
+    constexprs = {**declared, **constexprs}
     if kernel.language == "gluon":  # warp-specialized: registers move between partitions
         source = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": tiles["num_warps"], "maxnreg": module.SM90_MAX_REGISTERS}
     else:
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         # A module may launch with fewer stages on AMD GPUs (DECODE_NUM_STAGES_HIP): compile what runs.
-        stages = tiles["num_stages"]
+        stages = num_stages or tiles["num_stages"]
         if target.backend == "hip":
             stages = getattr(module, f"{kernel.tiles}num_stages_hip".upper(), stages)
         options = {"num_warps": tiles["num_warps"], "num_stages": stages}
