@@ -23,7 +23,8 @@ import torch
 from attngen.exactness import assert_forward, assert_grads
 from attngen.parallel import ShardedSpec, chunk_sizes, global_length, local_length, pieces
 from attngen.reference import attention_ref_torch
-from attngen.spec import load_spec, retarget, with_config
+from attngen.errors import SpecError
+from attngen.spec import load_spec, parse_spec, retarget, with_config
 
 LENGTH, HEADS, KV_HEADS, DIM = 75, 4, 2, 32
 # (spec, mode, layout) per world size: every spec, mode and layout appears in each target's run.
@@ -34,7 +35,12 @@ CASES = {
         ("alibi", "allgather", "zigzag"),
         ("sinks", "ring", "zigzag"),
     ],
-    4: [("sliding_window", "ring", "zigzag"), ("full", "allgather", "contiguous"), ("causal", "ring", "contiguous")],
+    4: [
+        ("sliding_window", "ring", "zigzag"),
+        ("full", "allgather", "contiguous"),
+        ("causal", "ring", "contiguous"),
+        ("alibi_slopes", "ring", "zigzag"),  # trained slopes: each rank's (device's) share summed
+    ],
 }
 
 
@@ -53,6 +59,8 @@ def problem(name):
     params = {"sliding_window": {"window": 19}, "alibi": {"num_heads": HEADS}}.get(name, {})
     if name == "sinks":
         params = {"sinks": 2 * torch.randn(HEADS, generator=g)}
+    if name == "alibi_slopes":
+        params = {"slopes": torch.rand(HEADS, generator=g)}
     if name == "document":  # documents cross the shard borders
         seg = torch.tensor(np.repeat(np.arange(5), [10, 30, 5, 20, 10]), dtype=torch.int32)[None]
         params = {"seg_q": seg, "seg_kv": seg}
@@ -235,11 +243,13 @@ def test_hidden_block_pairs_are_skipped_whole():
         assert skipped > 0, name  # the bounds do skip (each of these masks hides whole blocks)
 
 
-def test_the_sharded_form_trains_no_param():
-    """Context parallelism gives params no gradient (a trained one is refused): the sharded
-    kernels compute none, and their backward returns dq, dk, dv alone."""
-    form = ShardedSpec.of(small("alibi_slopes")).form
-    assert small("alibi_slopes").grad_params == ("slopes",) and form.grad_params == ()
+def test_the_sharded_form_trains_what_reads_no_position():
+    """[grad] params read at indices that read no position stay trained in the sharded form (each
+    block's backward returns its share); one read at each pair's own position has no sharded form."""
+    assert ShardedSpec.of(small("alibi_slopes")).form.grad_params == ("slopes",)
+    text = Path(load_spec("specs/bias.toml").path).read_text() + '\n[grad]\nparams = ["bias"]\n'
+    with pytest.raises(SpecError, match=r"trains bias, read at each \(query, key\) pair"):
+        ShardedSpec.of(parse_spec(text)).form
 
 
 if __name__ == "__main__":  # the JAX test's subprocess: XLA_FLAGS set before jax starts

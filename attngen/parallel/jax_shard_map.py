@@ -12,8 +12,9 @@ no kernel (lax.cond on the closed-form bounds, traced), and tile bounds skip EMP
 
 Ring mode is a jax.custom_vjp: the forward passes K/V around the ring with lax.ppermute (XLA
 overlaps each permute with the block's kernels), the backward runs the ring again with the merged
-out and LSE, dK/dV travelling with their block and home after the last step; the residuals are
-this device's q, k, v, out and LSE only. All-gather mode gathers K/V with lax.all_gather and
+out and LSE, dK/dV travelling with their block and home after the last step, and the params the
+spec trains ([grad] params) summing each block's share; the residuals are this device's q, k, v,
+out and LSE only. All-gather mode gathers K/V with lax.all_gather and
 lets autodiff transpose it (a reduce-scatter of dK/dV).
 """
 
@@ -74,7 +75,8 @@ class ContextParallel:
     def attention(self, q, k, v, *, scale=None, return_lse=False, **params):
         """Attention of the whole sequence, computed sharded: out [B, H, N, Dv] (and the natural-log
         LSE [B, H, N] if return_lse). params: the spec's (scalars may be traced; tensor params along
-        q_len / kv_len hold the whole sequence). Differentiable in q, k and v."""
+        q_len / kv_len hold the whole sequence). Differentiable in q, k, v and the params the spec
+        trains ([grad] params, its sink's); the others get no gradient."""
         q_len, kv_len = q.shape[2], k.shape[2]
         q_chunk, kv_chunk = -(-q_len // self.chunks), -(-kv_len // self.chunks)
         totals = (q_len, kv_len)
@@ -147,20 +149,25 @@ class ContextParallel:
         """On one device: ring attention, a custom VJP (see the module doc). Traced values (the
         arrays, the device index) are arguments or computed inside: the backward is traced apart."""
         blocks = _RingBlocks(self, scale, totals, chunks, constants)
+        # The trained params (the backward returns their gradients) apart from the other arrays.
+        trained = {name: arrays[name] for name in getattr(self.module, "TRAINED_PARAMS", ()) if name in arrays}
+        others = {name: value for name, value in arrays.items() if name not in trained}
 
         @jax.custom_vjp
-        def ring(q, k, v, arrays):
-            return blocks.forward(q, k, v, arrays)
+        def ring(q, k, v, trained, others):
+            return blocks.forward(q, k, v, {**trained, **others})
 
-        def ring_fwd(q, k, v, arrays):
-            out, lse = blocks.forward(q, k, v, arrays)
-            return (out, lse), (q, k, v, arrays, out, lse)
+        def ring_fwd(q, k, v, trained, others):
+            out, lse = blocks.forward(q, k, v, {**trained, **others})
+            return (out, lse), (q, k, v, trained, others, out, lse)
 
         def ring_bwd(residuals, cotangents):
-            return (*blocks.backward(*residuals, *cotangents), None)  # params get no gradient
+            q, k, v, trained, others, out, lse = residuals
+            dq, dk, dv, dtrained = blocks.backward(q, k, v, {**trained, **others}, out, lse, *cotangents)
+            return dq, dk, dv, dtrained, None  # the other params get no gradient
 
         ring.defvjp(ring_fwd, ring_bwd)
-        return ring(q, k, v, arrays)
+        return ring(q, k, v, trained, others)
 
 
 def _when(visible, block, hidden, *operands):
@@ -222,9 +229,12 @@ class _RingBlocks:
         return out.astype(q.dtype), lse
 
     def backward(self, q, k, v, arrays, out, lse, dout, dlse):
+        """(dq, dk, dv, {trained param: this device's share of its gradient})."""
         module = self.cp.module
         dq = jnp.zeros(q.shape, jnp.float32)
         dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+        trained = [name for name in getattr(module, "TRAINED_PARAMS", ()) if name in arrays]
+        dparams = {name: jnp.zeros(arrays[name].shape, jnp.float32) for name in trained}
         for step in range(self.cp.world):
             for rows, cols, args, visible in self._pairs(step, arrays):
 
@@ -236,16 +246,18 @@ class _RingBlocks:
                 def hidden(*grads):
                     return tuple(jnp.zeros(g.shape, g.dtype) for g in grads)
 
-                dq_part, dk_part, dv_part = _when(
+                dq_part, dk_part, dv_part, *dparam_parts = _when(
                     visible, block, hidden, dout[:, :, rows], dlse[:, :, rows], q[:, :, rows], k[:, :, cols],
                     v[:, :, cols], out[:, :, rows], lse[:, :, rows],
                 )  # fmt: skip
                 dq = dq.at[:, :, rows].add(dq_part.astype(jnp.float32))
                 dk = dk.at[:, :, cols].add(dk_part.astype(jnp.float32))
                 dv = dv.at[:, :, cols].add(dv_part.astype(jnp.float32))
+                dparams = {name: dparams[name] + part.astype(jnp.float32) for name, part in zip(trained, dparam_parts)}
             # The block's sums travel with it; after the last step they are home.
             if step < self.cp.world - 1:
                 k, v, dk, dv = (lax.ppermute(x, self.cp.axis, self.next) for x in (k, v, dk, dv))
             else:
                 dk, dv = (lax.ppermute(x, self.cp.axis, self.next) for x in (dk, dv))
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        dparams = {name: d.astype(arrays[name].dtype) for name, d in dparams.items()}
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dparams

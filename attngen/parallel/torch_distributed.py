@@ -71,8 +71,8 @@ class ContextParallel:
         q [batch, heads, local_q, head_dim], k and v [batch, kv_heads, local_kv, head_dim]: this
         rank's shards (`shard`). params: the spec's, as the generated `attention` takes them (tensor
         params along q_len / kv_len are the whole sequence's). Returns this rank's output (and its
-        natural-log LSE if return_lse); differentiable in q, k, v (and float tensor params the spec
-        gives gradients, through its sink).
+        natural-log LSE if return_lse); differentiable in q, k, v and in the params the spec trains
+        ([grad] params, its sink's): their gradients are this rank's share (reduce them over the group).
         """
         if scale is None:
             scale = self.module.HEAD_DIM**-0.5
@@ -83,7 +83,8 @@ class ContextParallel:
         kernel_params = {p.name: params[p.name] for p in self.sharded.form.params if p.name in params}
         call = _Call(self, float(scale), kernel_params, totals)
         if self.mode == "ring":
-            out, lse = _Ring.apply(call, q, k, v)
+            # The trained params enter the autograd function, which returns their gradients.
+            out, lse = _Ring.apply(call, q, k, v, *(kernel_params.get(name) for name in call.trained))
         else:
             out, lse = call.allgather(q, k, v, kv_lengths)
         if self.sharded.spec.sink is not None:
@@ -92,10 +93,14 @@ class ContextParallel:
 
     def _check_params(self, params: dict, totals: tuple[int, int]) -> None:
         self.sharded.check_params(params, totals)
+        trained = self.sharded.form.grad_params
         for p in self.sharded.form.params:  # the kernels' (a param only the sink reads is not among them)
             value = params.get(p.name)
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                raise ValueError(f"param {p.name} requires grad, and context-parallel attention gives it none")
+            if isinstance(value, torch.Tensor) and value.requires_grad and p.name not in trained:
+                raise ValueError(
+                    f"param {p.name} requires grad, and context-parallel attention gives it none"
+                    f"{' (only ' + ', '.join(trained) + ' get one)' if trained else ''}: pass {p.name}.detach()"
+                )
 
     def _sink_logits(self, q, params):
         batch, heads = q.shape[:2]
@@ -121,6 +126,8 @@ class _Call:
 
     def __init__(self, cp: ContextParallel, scale: float, params: dict, totals: tuple[int, int]):
         self.cp, self.scale, self.params, self.totals = cp, scale, params, totals
+        # The params the sharded kernels' backward returns gradients for, in its order.
+        self.trained = getattr(cp.module, "TRAINED_PARAMS", ())
         self.q_pieces = pieces(totals[0], cp.world, cp.rank, cp.layout)
         # The visible block pairs against each rank's K/V, found once (the bounds are evaluated on
         # the host) for the forward's trip round the ring and the backward's.
@@ -180,8 +187,10 @@ class _Call:
         return out.to(q.dtype), lse
 
     def ring_backward(self, dout, dlse, q, k, v, out, lse):
+        """(dq, dk, dv, and this rank's share of each trained param's gradient)."""
         cp, module = self.cp, self.cp.module
         dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        dparams = [torch.zeros(self.params[name].shape, device=q.device, dtype=torch.float32) for name in self.trained]
         held, arriving = (k, v), None
         for step in range(cp.world):
             source = (cp.rank - step) % cp.world
@@ -192,7 +201,7 @@ class _Call:
             dk = torch.zeros(k_block.shape, device=q.device, dtype=torch.float32)
             dv = torch.zeros(v_block.shape, device=q.device, dtype=torch.float32)
             for rows, cols, args in self.pairs[source]:
-                dq_part, dk_part, dv_part = module.attention_backward(
+                dq_part, dk_part, dv_part, *dparam_parts = module.attention_backward(
                     dout[:, :, rows],
                     dlse[:, :, rows],
                     q[:, :, rows],
@@ -206,6 +215,8 @@ class _Call:
                 dq[:, :, rows] += dq_part
                 dk[:, :, cols] += dk_part
                 dv[:, :, cols] += dv_part
+                for total, part in zip(dparams, dparam_parts):
+                    total += part
             if arriving is not None:  # what the ranks before this one added to this block
                 dk_before, dv_before = arriving.wait()
                 dk += dk_before
@@ -215,7 +226,8 @@ class _Call:
             if incoming is not None:
                 held = incoming.wait()
         dk, dv = arriving.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dparams = [d.to(self.params[name].dtype) for name, d in zip(self.trained, dparams)]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dparams
 
     # ------------------------------------------------------------------ all-gather
 
@@ -238,7 +250,7 @@ class _Ring(torch.autograd.Function):
     """Ring attention (see the module doc): forward and backward each one trip around the ranks."""
 
     @staticmethod
-    def forward(ctx, call, q, k, v):
+    def forward(ctx, call, q, k, v, *trained):  # trained: call's trained params (the kernels read them there)
         out, lse = call.ring_forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
@@ -246,8 +258,7 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv = ctx.call.ring_backward(dout.contiguous(), dlse.contiguous(), *ctx.saved_tensors)
-        return None, dq, dk, dv
+        return None, *ctx.call.ring_backward(dout.contiguous(), dlse.contiguous(), *ctx.saved_tensors)
 
 
 def _pass_on(cp: ContextParallel, send: tuple, shapes: list) -> _InFlight:

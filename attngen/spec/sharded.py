@@ -18,8 +18,10 @@ The offsets are plain int params, so the tile analysis bounds the sharded mask i
 it bounds the spec's: a causal block pair below the diagonal is FULL, above it EMPTY, and whole
 block pairs the mask hides are skipped without a launch (attngen.parallel asks `visits`). The sink,
 added once per row, is left to the caller's merge (a shard must not add it once per block), and
-a param only the sink reads leaves with it; [grad] params are not trained through shards (the
-blocks' shares would have to be summed over the ring: not built yet).
+a param only the sink reads leaves with it. [grad] params read at indices that read no position
+(`slopes[h]`) stay trained: each block's backward returns its share, and attngen.parallel sums the
+shares. A [grad] param read at each pair's own position (`bias[b, h, q_idx, kv_idx]`) has no
+sharded form: its gradient, a whole [q_len, kv_len] array, would be built on every device.
 """
 
 from __future__ import annotations
@@ -49,6 +51,24 @@ def sharded(spec: Spec) -> Spec:
         )
     if spec.varlen:
         raise SpecError([Diagnostic(f"{spec.name} is packed (varlen); shard the spec itself", None)])
+    positional = sorted(
+        {
+            load.tensor
+            for load in (ir.loads(spec.score) if spec.score is not None else ())
+            if load.tensor in spec.grad_params and {"q_idx", "kv_idx"} & frozenset().union(*map(ir.variables, load.indices))
+        }
+    )
+    if positional:
+        raise SpecError(
+            [
+                Diagnostic(
+                    f"{spec.name} has no sharded form: it trains {', '.join(positional)}, read at each (query, key) "
+                    "pair, whose gradient would be a whole [q_len, kv_len] array on every device; shard a copy of "
+                    f"the spec without {', '.join(positional)} in [grad] params, or train it without context parallelism",
+                    None,
+                )
+            ]
+        )
 
     int_var = lambda name, kind=ir.VarKind.PARAM: ir.Var(ir.Type.INT, name, kind)
     q_idx, kv_idx = int_var("q_idx", ir.VarKind.INDEX), int_var("kv_idx", ir.VarKind.INDEX)
@@ -84,5 +104,5 @@ def sharded(spec: Spec) -> Spec:
         params=params + sharding,
         mask_source=None,
         sink=None,
-        grad_params=(),
+        grad_params=tuple(name for name in spec.grad_params if name in {p.name for p in params}),
     )
