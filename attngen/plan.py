@@ -14,7 +14,7 @@ from typing import Any
 
 from attngen import ir
 from attngen.analysis import analyse_mask
-from attngen.analysis.derivative import param_gradients, score_derivative
+from attngen.analysis.derivative import DISTANCE, POSITIONAL, RELATIVE, param_gradients, score_derivative
 from attngen.analysis.tiles import TILE_VARS, TileBounds
 from attngen.backends.base import Backend, Kernel
 from attngen.backends.emit import Dialect, emit
@@ -71,18 +71,28 @@ class ParamGradPlan:
     param: ParamPlan
     derivative: str  # d(score')/d(read) in the target language, over a tile's pairs
     indices: tuple[str, ...]  # the read's indices in the target language
-    positional: bool  # indices are the pair's own b, h, q_idx, kv_idx; else they read no position
-    axes: tuple[bool, bool]  # a positional read's: whether it reads b, h (its gradient sums the others)
+    kind: str  # SUMMED, POSITIONAL or RELATIVE (attngen.analysis.derivative.ParamGradient)
+    # RELATIVE: the axis that reads q_idx - kv_idx, and its index as a function of `distance`
+    # (q_idx - kv_idx) in the target language
+    relative_axis: int | None
+    relative_index: str | None
+    axes: tuple[bool, bool]  # whether it reads b, h (a per-pair share sums the others)
     derivative_reads_score: bool
     slot: int  # its place among the trained reads: names its kernel arguments
     gathered: int | None  # Pallas: its index among the gathered arrays (its gradient flows back through it)
 
     @property
+    def per_pair(self) -> bool:
+        """Whether its share is written per pair: positional reads, and on a backend that gathers
+        the reads of positions (Pallas) relative ones too, as the cotangent of their gathered array."""
+        return self.kind == POSITIONAL or (self.kind == RELATIVE and self.gathered is not None)
+
+    @property
     def kernel_args(self) -> tuple[str, ...]:
-        """What the dQ kernel writes its share to: per pair (positional), or per program with the
-        flat index of the element it read."""
+        """What the dQ kernel writes its share to: per pair, or per program (one value, or one per
+        table entry for a relative read) with the flat index of the element it read (its entry 0)."""
         own = f"PARAM_GRAD{self.slot}"
-        return (own,) if self.positional else (own, f"{own}_INDEX")
+        return (own,) if self.per_pair else (own, f"{own}_INDEX")
 
 
 @dataclass(frozen=True)
@@ -313,7 +323,7 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
     tile_bounds = kernel_tile_bounds(spec, backend)
     score_grad = score_derivative(spec.score, params) if spec.score is not None else None
     symbolic = tuple(k.step for k in kernels) if backend.symbolic_blocks else ()
-    names = {n: n for n in (*ir.INDEX_VARS, *ir.SIZE_VARS, "score", *TILE_VARS, *symbolic)}
+    names = {n: n for n in (*ir.INDEX_VARS, *ir.SIZE_VARS, "score", *TILE_VARS, *symbolic)} | {DISTANCE: "distance"}
     names |= {p.name: f"{backend.param_prefix}{p.name}" for p in spec.params}
     shapes = {p.name: p.shape for p in spec.params if p.is_tensor}
     lower = lambda e: emit(e, backend.dialect, names, shapes)
@@ -380,7 +390,9 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
                 param=next(p for p in param_plans if p.name == g.load.tensor),
                 derivative=lower(derivative),
                 indices=tuple(lower(i) for i in g.load.indices),
-                positional=g.positional,
+                kind=g.kind,
+                relative_axis=g.relative_axis,
+                relative_index=lower(g.relative_index) if g.relative_index is not None else None,
                 axes=tuple(any(isinstance(i, ir.Var) and i.name == v for i in g.load.indices) for v in ("b", "h")),
                 derivative_reads_score="score" in ir.variables(derivative),
                 slot=slot,

@@ -1,8 +1,10 @@
 """What training a tensor param costs ([grad] params), on a GPU, against FlexAttention's captured-buffer gradients.
 
-bf16, causal, B = 1, 16 heads of 128, N = 4096 and 8192. Two scores: ALiBi with learned per-head
-slopes (`score + slopes[h] * (kv_idx - q_idx)`, specs/alibi_slopes.toml), and a learned full
-additive bias (`score + bias[b, h, q_idx, kv_idx]`, float32 [1, 16, N, N]). Forward + backward
+bf16, causal, B = 1, 16 heads of 128, N = 4096 and 8192. Three scores: ALiBi with learned per-head
+slopes (`score + slopes[h] * (kv_idx - q_idx)`, specs/alibi_slopes.toml), a learned full additive
+bias (`score + bias[b, h, q_idx, kv_idx]`, float32 [1, 16, N, N]), and a learned relative table
+(`score + rel[h, q_idx - kv_idx + 128]`, float32 [16, 257], distances past 128 clamped: T5's
+relative bias without the log buckets, specs/relative_bias.toml's score). Forward + backward
 time (triton.testing.do_bench median) of the same spec with and without [grad], and of
 torch.compile(flex_attention) with the same score_mod reading the tensor, which then requires
 grad. Every gradient is first checked against float64 on a slice of the heads (attngen.exactness's
@@ -41,7 +43,13 @@ SCORES = {  # expr, declaration, [triton] table (the bias: specs/bias.toml's, fo
         'bias = "float[batch, heads, q_len, kv_len]"',
         "[triton]\nblock_n = 64\nnum_stages = 2\ndkdv_num_stages = 2\ndq_num_stages = 2\n",
     ),
+    "rel": (
+        "score + rel[h, q_idx - kv_idx + 128]",
+        'rel = "float[heads, buckets]"',
+        "[triton]\nblock_n = 64\nnum_stages = 2\ndq_num_stages = 2\ndkdv_num_stages = 2\n",
+    ),
 }
+BUCKETS = 257  # the relative table's: distances -128..128
 
 
 def spec_text(name: str, trained: bool) -> str:
@@ -81,6 +89,8 @@ def flex_call(flex, name, tensor, block_mask, options):
     compiled call is not traced again per call."""
     if name == "slopes":
         score_mod = lambda score, b, h, q_idx, kv_idx: score + tensor[h] * (kv_idx - q_idx)
+    elif name == "rel":
+        score_mod = lambda score, b, h, q_idx, kv_idx: score + tensor[h, (q_idx - kv_idx + 128).clamp(0, BUCKETS - 1)]
     else:
         score_mod = lambda score, b, h, q_idx, kv_idx: score + tensor[b, h, q_idx, kv_idx]
     return lambda *x: flex(*x, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
@@ -93,12 +103,8 @@ def row(name: str, length: int, flex) -> dict:
     q, k, v, dout = (
         torch.randn(1, HEADS, length, DIM, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4)
     )
-    shape = (HEADS,) if name == "slopes" else (1, HEADS, length, length)
-    value = (
-        (0.05 * torch.rand(shape, device="cuda", generator=g))
-        if name == "slopes"
-        else torch.randn(shape, device="cuda", generator=g)
-    )
+    shape = {"slopes": (HEADS,), "rel": (HEADS, BUCKETS)}.get(name, (1, HEADS, length, length))
+    value = torch.rand(shape, device="cuda", generator=g) * 0.05 if name == "slopes" else torch.randn(shape, device="cuda", generator=g)
     causal = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, length, length)
 
     def timed(make, with_param):
@@ -119,7 +125,7 @@ def row(name: str, length: int, flex) -> dict:
     # Exactness on two heads (the float64 reference holds their scores).
     heads = slice(0, 2)
     small = [x[:, heads] for x in (q, k, v, dout)]
-    small_value = value[heads] if name == "slopes" else value[:, heads]
+    small_value = value[:, heads] if name == "bias" else value[heads]
     reference = {}
     for dtype in (torch.float64, torch.bfloat16):
         leaves = [x.detach().clone().requires_grad_() for x in small[:3]]

@@ -427,14 +427,15 @@ dtype = "bfloat16"
 causal = true
 
 [score]
-expr = "score + slopes[h] * (kv_idx - q_idx) + bias[b, h, q_idx, kv_idx]"
+expr = "score + slopes[h] * (kv_idx - q_idx) + bias[b, h, q_idx, kv_idx] + rel[h, (q_idx - kv_idx) // 16 + 40]"
 
 [params]
 slopes = "float[heads]"
 bias = "float[batch, heads, q_len, kv_len]"
+rel = "float[heads, buckets]"
 
 [grad]
-params = ["slopes", "bias"]
+params = ["slopes", "bias", "rel"]
 
 # As specs/bias.toml: a float32 tile of the bias beside every score tile takes shared memory.
 [triton]
@@ -447,8 +448,9 @@ dq_num_stages = 2
 
 def test_trained_params_on_the_gpu():
     """[grad] params on the GPU (the dQ kernel gathers them; on an H200 beside the Hopper dK/dV
-    kernel): a per-head slope and a full additive bias exact by the FlashAttention rule against
-    float64 (the reference in bf16 as the baseline), and bitwise the same on a second backward."""
+    kernel): a per-head slope, a full additive bias and a bucketed relative table (its far
+    distances clamped) exact by the FlashAttention rule against float64 (the reference in bf16 as
+    the baseline), and bitwise the same on a second backward."""
     from attngen.spec import parse_spec
 
     spec = parse_spec(TRAINED_BIAS, "trained_bias.toml")
@@ -459,6 +461,7 @@ def test_trained_params_on_the_gpu():
     params = {
         "slopes": 0.05 * torch.rand(heads, device="cuda", generator=generator),
         "bias": torch.randn(batch, heads, length, length, device="cuda", generator=generator),
+        "rel": torch.randn(heads, 81, device="cuda", generator=generator),
     }
 
     def grads(fn, dtype=None):
@@ -471,13 +474,13 @@ def test_trained_params_on_the_gpu():
         }
         out = fn(*leaves, **trained)
         (out.float() * dout.float()).sum().backward()
-        return out.detach(), [x.grad for x in leaves] + [trained[n].grad for n in ("slopes", "bias")]
+        return out.detach(), [x.grad for x in leaves] + [trained[n].grad for n in ("slopes", "bias", "rel")]
 
     out, ours = grads(lambda *x, **p: module.attention(*x, **p))
     _, again = grads(lambda *x, **p: module.attention(*x, **p))
     assert all(torch.equal(a, b) for a, b in zip(ours, again)), "a second backward differs"
     ref_out, ref = grads(lambda *x, **p: attention_ref_torch(spec, *x, dtype=torch.float64, **p)[0], torch.float64)
     base_out, base = grads(lambda *x, **p: attention_ref_torch(spec, *x, dtype=torch.bfloat16, **p)[0])
-    names = ("out", "dq", "dk", "dv", "dslopes", "dbias")  # (out judged as an output, the rest as gradients)
+    names = ("out", "dq", "dk", "dv", "dslopes", "dbias", "drel")  # (out judged as an output, the rest as gradients)
     judged = lambda out, grads: dict(zip(names, [out, *grads]))
     assert_grads("bfloat16", judged(out, ours), judged(ref_out, ref), judged(base_out, base))

@@ -1,10 +1,12 @@
 """Gradients into float tensor params ([grad] params) on both targets, against float64 autograd.
 
-A trained read is either at indices that read no position (slopes[h], temperature[b, h]: each
-program sums its pairs) or at the pair's own b, h, q_idx, kv_idx (a full additive bias: each pair
-its element). The spec below has both kinds, a derivative that reads the score (a per-head soft
-cap), GQA, a causal mask with whole tiles hidden, odd lengths with q_len != kv_len, and a tensor
-param that is not trained.
+A trained read is at indices that read no position (slopes[h], temperature[b, h]: each program
+sums its pairs), at the pair's own b, h, q_idx, kv_idx (a full additive bias: each pair its
+element), or with one index of q_idx - kv_idx (a relative table: the pairs of a diagonal share an
+element, each program sums its tiles' diagonals). The spec below has all three kinds (the relative
+one bucketed by a floor division of negative distances, and clamped into its table), a derivative
+that reads the score (a per-head soft cap), GQA, a causal mask with whole tiles hidden, odd lengths
+with q_len != kv_len, and a tensor param that is not trained.
 """
 
 from __future__ import annotations
@@ -30,19 +32,20 @@ dtype = "float32"
 causal = "bottom_right"
 
 [score]
-expr = "cap[h] * tanh(score / cap[h]) + slopes[h] * (kv_idx - q_idx) + bias[b, h, q_idx, kv_idx] + shift[h]"
+expr = "cap[h] * tanh(score / cap[h]) + slopes[h] * (kv_idx - q_idx) + bias[b, h, q_idx, kv_idx] + shift[h] + rel[h, (q_idx - kv_idx) // 3 + 12]"
 
 [params]
 cap = "float[heads]"
 slopes = "float[heads]"
 bias = "float[batch, heads, q_len, kv_len]"
 shift = "float[heads]"
+rel = "float[heads, buckets]"
 
 [grad]
-params = ["cap", "slopes", "bias"]
+params = ["cap", "slopes", "bias", "rel"]
 """
 BATCH, HEADS, KV_HEADS, Q_LEN, KV_LEN, DIM = 2, 4, 2, 37, 45, 32
-TRAINED_NAMES = ("cap", "slopes", "bias")
+TRAINED_NAMES = ("cap", "slopes", "bias", "rel")
 
 
 def small(text):
@@ -61,6 +64,7 @@ def problem():
         "slopes": 0.1 * torch.rand(HEADS, generator=g),
         "bias": torch.randn(BATCH, HEADS, Q_LEN, KV_LEN, generator=g),
         "shift": torch.randn(HEADS, generator=g),
+        "rel": torch.randn(HEADS, 25, generator=g),  # distances -44..36 bucket to -3..24: the first clamp to 0
     }
     return q, k, v, do, params
 
@@ -88,13 +92,13 @@ def test_trained_params_get_exact_gradients(target):
 
         arrays = {n: t.numpy() for n, t in params.items()}
 
-        def loss(q, k, v, cap, slopes, bias):
+        def loss(q, k, v, cap, slopes, bias, rel):
             out, lse = module.attention(
-                q, k, v, return_lse=True, interpret=True, cap=cap, slopes=slopes, bias=bias, shift=arrays["shift"]
+                q, k, v, return_lse=True, interpret=True, cap=cap, slopes=slopes, bias=bias, rel=rel, shift=arrays["shift"]
             )
             return (out * do.numpy()).sum(), (out, lse)
 
-        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)(
+        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=tuple(range(7)), has_aux=True)(
             *(x.numpy() for x in (q, k, v)), *(arrays[n] for n in TRAINED_NAMES)
         )
     assert_forward("float32", np.asarray(out), np.asarray(lse), ref_out.detach().numpy(), ref_lse.detach().numpy())
@@ -102,12 +106,12 @@ def test_trained_params_get_exact_gradients(target):
 
 
 def test_a_trained_read_of_another_kind_is_refused_at_build():
-    """A read whose index varies inside a tile other than as the pair's own position (a relative
-    bias table: many pairs read one element) has no deterministic gradient here yet: the build
-    says so; so does a positional read of a tensor declared with other axes."""
-    relative = TRAINED.replace("bias[b, h, q_idx, kv_idx]", "bias[b, h, q_idx, q_idx - kv_idx]")
-    with pytest.raises(AttngenError, match="at the pair's own"):
-        harness.load_target(small(relative), "triton_gpu")
+    """A read whose indices read the positions otherwise than as the pair's own or through one
+    index of q_idx - kv_idx alone has no deterministic gradient here: the build says so; so does a
+    positional read of a tensor declared with other axes."""
+    for other in ("bias[b, h, q_idx, q_idx - kv_idx]", "bias[b, h, q_idx + kv_idx, 0]", "bias[b, h, 0, q_idx]"):
+        with pytest.raises(AttngenError, match="at the pair's own"):
+            harness.load_target(small(TRAINED.replace("bias[b, h, q_idx, kv_idx]", other)), "triton_gpu")
     loose = TRAINED.replace('bias = "float[batch, heads, q_len, kv_len]"', 'bias = "float[batch, heads, n, m]"')
     with pytest.raises(AttngenError, match=r"must be declared float\[batch, heads, q_len, kv_len\]"):
         harness.load_target(small(loose), "pallas_tpu")
@@ -124,7 +128,7 @@ def test_a_trained_read_of_another_kind_is_refused_at_build():
     ],
 )
 def test_grad_declarations_are_checked(change, message):
-    text = TRAINED.replace('params = ["cap", "slopes", "bias"]', change)
+    text = TRAINED.replace('params = ["cap", "slopes", "bias", "rel"]', change)
     text = text.replace(
         'shift = "float[heads]"',
         'shift = "float[heads]"\ncount = "int[heads]"\nscalar = "float"\nunread = "float[heads]"',

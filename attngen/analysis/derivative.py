@@ -5,8 +5,8 @@ Goals: the backward pass needs f'(score) for a score modifier score' = f(score, 
 b, h, params), and a trained tensor's gradient needs the derivative by each of its reads. sympy
 differentiates the expression (a read is an opaque function of its indices) and simplifies the
 result; this pass turns it back into IR that both backends print like any other expression.
-Non-goals: gradients of scalar params, and of reads whose index varies inside a tile other than
-as the tile's own position (rel_bias[h, q_idx - kv_idx]: many pairs read one element).
+Non-goals: gradients of scalar params, and of reads whose indices read positions other than as
+the pair's own position or through one index of q_idx - kv_idx alone.
 
 Subgradients at kinks are documented choices: abs'(0) = 0 (sign), max/min split 1/2 each at a
 tie (Heaviside(0) = 1/2), where(c, a, b)' = where(c, a', b') (the condition's boundary is ignored).
@@ -61,18 +61,29 @@ def _sympy_names(params: dict[str, Type]) -> tuple[dict[str, sympy.Symbol], _Con
 _POSITIONAL_AXES = {"b": "batch", "h": "heads", "q_idx": "q_len", "kv_idx": "kv_len"}
 
 
+# The kinds of trained read, each with its own reduction in the kernels (see ParamGradient).
+SUMMED, POSITIONAL, RELATIVE = "summed", "positional", "relative"
+# q_idx - kv_idx, which a relative read's index is a function of; no param can take its name.
+DISTANCE = "#distance"
+
+
 @dataclass(frozen=True)
 class ParamGradient:
     """One read of a trained tensor param in the score: its share of the param's gradient is
     sum over the (query, key) pairs of dL/d(score') * derivative, gathered at the read's index.
 
-    positional: its indices are the pair's own b, h, q_idx, kv_idx (each pair reads its own
-    element: the kernels write dL/d(score') * derivative per pair). Else its indices read no
-    position (slopes[h], bound[b]): one element per program, which sums its pairs."""
+    kind: SUMMED, its indices read no position (slopes[h], bound[b]): one element per program,
+    which sums its pairs. POSITIONAL, its indices are the pair's own b, h, q_idx, kv_idx (each pair
+    reads its own element: the kernels write dL/d(score') * derivative per pair). RELATIVE, one
+    index (relative_axis) reads the positions through q_idx - kv_idx alone, the others none
+    (rel_bias[h, q_idx - kv_idx + max_dist]): the pairs of a diagonal read one element, so each
+    program sums its tiles' diagonals and gathers them into the entries they read."""
 
     load: ir.Load
     derivative: ir.Expr
-    positional: bool
+    kind: str
+    relative_axis: int | None = None
+    relative_index: ir.Expr | None = None  # the index on that axis, over DISTANCE
 
 
 def param_gradients(
@@ -85,36 +96,52 @@ def param_gradients(
     for load in ir.loads(score):
         if load.tensor not in trained:
             continue
-        positional = _positional(load, shapes[load.tensor])
+        kind, axis = _kind(load, shapes[load.tensor], symbols)
         derivative = sympy.factor_terms(sympy.diff(expression, to_sympy(load, symbols)))
-        gradients.append(ParamGradient(load, converter.float(derivative), positional))
+        relative_index = _over_the_distance(load.indices[axis]) if kind == RELATIVE else None
+        gradients.append(ParamGradient(load, converter.float(derivative), kind, axis, relative_index))
     return tuple(gradients)
 
 
-def _positional(load: ir.Load, shape: tuple) -> bool:
-    """Whether a trained read is positional (see ParamGradient); raises for reads of neither kind."""
-    reads = frozenset().union(*(ir.variables(i) for i in load.indices))
-    if not reads & {"q_idx", "kv_idx"}:
-        return False
+def _kind(load: ir.Load, shape: tuple, symbols: dict) -> tuple[str, int | None]:
+    """A trained read's kind, and a relative read's axis (see ParamGradient); raises for reads of no kind."""
+    positions = [{"q_idx", "kv_idx"} & ir.variables(i) for i in load.indices]
+    if not any(positions):
+        return SUMMED, None
     names = [i.name if isinstance(i, ir.Var) else None for i in load.indices]
     axes = [_POSITIONAL_AXES.get(n) for n in names]
-    if (
-        None in axes
-        or "q_len" not in axes
-        or "kv_len" not in axes
-        or names != sorted(names, key=list(_POSITIONAL_AXES).index)
-    ):
-        raise DerivativeError(
-            f"param {load.tensor}: a trained tensor is read either at indices that read no position "
-            f"(e.g. {load.tensor}[h]) or at the pair's own (b, h,) q_idx, kv_idx in this order, "
-            f"e.g. {load.tensor}[b, h, q_idx, kv_idx]; this read has other indices"
-        )
-    if tuple(shape) != tuple(axes):
-        raise DerivativeError(
-            f"param {load.tensor}: read at [{', '.join(names)}], it must be declared "
-            f"float[{', '.join(axes)}] to be trained (each pair its own element), not float[{', '.join(map(str, shape))}]"
-        )
-    return True
+    if None not in axes and "q_len" in axes and "kv_len" in axes and names == sorted(names, key=list(_POSITIONAL_AXES).index):
+        if tuple(shape) != tuple(axes):
+            raise DerivativeError(
+                f"param {load.tensor}: read at [{', '.join(names)}], it must be declared "
+                f"float[{', '.join(axes)}] to be trained (each pair its own element), not float[{', '.join(map(str, shape))}]"
+            )
+        return POSITIONAL, None
+    reading = [axis for axis, read in enumerate(positions) if read]
+    if len(reading) == 1 and _reads_the_distance_alone(load.indices[reading[0]], symbols):
+        return RELATIVE, reading[0]
+    raise DerivativeError(
+        f"param {load.tensor}: a trained tensor is read at indices that read no position (e.g. {load.tensor}[h]), "
+        f"at the pair's own (b, h,) q_idx, kv_idx in this order (e.g. {load.tensor}[b, h, q_idx, kv_idx]), or with "
+        f"one index of q_idx - kv_idx alone (e.g. {load.tensor}[h, q_idx - kv_idx + max_dist]); this read has other indices"
+    )
+
+
+def _reads_the_distance_alone(index: ir.Expr, symbols: dict) -> bool:
+    """Whether an index reads q_idx and kv_idx only through q_idx - kv_idx."""
+    kv_idx = symbols["kv_idx"]
+    moved = to_sympy(index, symbols).subs(symbols["q_idx"], kv_idx + sympy.Symbol("distance", integer=True))
+    return kv_idx not in moved.free_symbols or kv_idx not in sympy.simplify(moved).free_symbols
+
+
+def _over_the_distance(index: ir.Expr) -> ir.Expr:
+    """An index that reads q_idx and kv_idx only through q_idx - kv_idx, over DISTANCE: its
+    q_idx - kv_idx replaced; where the positions appear apart, q_idx by DISTANCE and kv_idx by 0
+    (the same value). IR, not sympy's form, so floor divisions stay integer ones."""
+    q_idx, kv_idx = (ir.Var(Type.INT, name, VarKind.INDEX) for name in ("q_idx", "kv_idx"))
+    distance = ir.Var(Type.INT, DISTANCE, VarKind.PARAM)  # (its sign is unknown)
+    index = ir.substitute(index, {ir.Arith(Type.INT, "-", q_idx, kv_idx): distance})
+    return ir.substitute(index, {q_idx: distance, kv_idx: ir.Const(Type.INT, 0)})
 
 
 class _Converter:

@@ -20,12 +20,14 @@ from attngen.backends.emit import Dialect
 @dataclass(frozen=True)
 class ProblemShape:
     """What a target's config may depend on: the spec's head dims and dtype, and whether its
-    backward writes a trained tensor's gradient per (query, key) pair ([grad] of a full bias)."""
+    backward writes a trained tensor's gradient per (query, key) pair ([grad] of a full bias) or
+    sums it along diagonals ([grad] of a relative table)."""
 
     head_dim: int
     head_dim_v: int
     dtype: str
     per_pair_grads: bool = False
+    relative_grads: bool = False
 
     @property
     def widest(self) -> int:

@@ -333,8 +333,12 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         config.setdefault(key, 128 if shape.widest <= 128 else 64)
     # A gradient written per pair makes the dQ kernel store a float32 tile of block_m x block_n per
     # step: with 64 keys a step at D = 128 it passes sm90's shared memory (257 KiB, `attngen check`).
-    if shape.per_pair_grads and "dq_block_n" not in table:
+    # A relative table's gradient skews each dQ tile into block_m x 2 * max(block_m, block_n) floats
+    # (its diagonals as columns): at D = 128 it spills 320-1000 bytes on sm90 unless 64 x 32.
+    if (shape.per_pair_grads or shape.relative_grads) and "dq_block_n" not in table:
         config["dq_block_n"] = min(config["dq_block_n"], 32)
+    if shape.relative_grads and "dq_block_m" not in table:
+        config["dq_block_m"] = min(config["dq_block_m"], 64)
     if table.keys() & set(TILE_KEYS) and not any(k.startswith("short_") for k in table):
         config["short_kv_len"] = 0
     return TritonConfig(**config)

@@ -19,9 +19,10 @@ it bounds the spec's: a causal block pair below the diagonal is FULL, above it E
 block pairs the mask hides are skipped without a launch (attngen.parallel asks `visits`). The sink,
 added once per row, is left to the caller's merge (a shard must not add it once per block), and
 a param only the sink reads leaves with it. [grad] params read at indices that read no position
-(`slopes[h]`) stay trained: each block's backward returns its share, and attngen.parallel sums the
-shares. A [grad] param read at each pair's own position (`bias[b, h, q_idx, kv_idx]`) has no
-sharded form: its gradient, a whole [q_len, kv_len] array, would be built on every device.
+(`slopes[h]`) or through q_idx - kv_idx (a relative table) stay trained: each block's backward
+returns its share, and attngen.parallel sums the shares. A [grad] param read at each pair's own
+position (`bias[b, h, q_idx, kv_idx]`) has no sharded form: its gradient, a whole [q_len, kv_len]
+array, would be built on every device.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ def sharded(spec: Spec) -> Spec:
         )
     if spec.varlen:
         raise SpecError([Diagnostic(f"{spec.name} is packed (varlen); shard the spec itself", None)])
-    positional = sorted(
+    positional = sorted(  # (a read at q_idx - kv_idx, a relative table, stays trained)
         {
             load.tensor
             for load in (ir.loads(spec.score) if spec.score is not None else ())
-            if load.tensor in spec.grad_params and {"q_idx", "kv_idx"} & frozenset().union(*map(ir.variables, load.indices))
+            if load.tensor in spec.grad_params
+            and ir.reads_positions(load)
+            and all(isinstance(i, ir.Var) for i in load.indices)
         }
     )
     if positional:

@@ -24,7 +24,7 @@ from attngen.backends.base import ProblemShape
 from attngen.errors import Diagnostic, Location, SpecError, shown
 from attngen.lang import parser
 from attngen.lang.typecheck import Scope, typecheck
-from attngen.spec.model import CAUSAL_MASKS, DTYPES, MAX_SPEC_BYTES, Spec, per_pair_grads
+from attngen.spec.model import CAUSAL_MASKS, DTYPES, MAX_SPEC_BYTES, Spec, grads_of_positions
 from attngen.spec.positions import Locator, Spot, TomlPositions
 from attngen.spec.schema import (
     NAME_RE,
@@ -277,7 +277,7 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     shape = None
     if not v.problems:
         shape = ProblemShape(
-            head_dim, top.get("head_dim_v") or head_dim, dtype, per_pair_grads(score, tuple(grad_params))
+            head_dim, top.get("head_dim_v") or head_dim, dtype, *grads_of_positions(score, tuple(grad_params))
         )
     tables, configs = {}, {}
     for target in TARGETS:

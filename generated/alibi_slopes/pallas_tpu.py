@@ -670,7 +670,8 @@ def _backward(dout, dlse, q, k, v, out, lse, prefetch, gathered, interpret):
     lse = lse[..., None]
     operands = (*prefetch, q, k, v, *gathered, dout, lse, delta)
     q_blocks, kv_blocks = pl.cdiv(q_len, BLOCK_Q), pl.cdiv(kv_len, BLOCK_KV)
-    # Each trained read's share: per pair (positional), or per (batch, head, q block) summed over its keys.
+    # Each trained read's share: per pair (positional, or relative: its gathered array's), or per (batch,
+    # head, q block) summed over its keys.
     per_pair = pl.BlockSpec((None, None, BLOCK_Q, BLOCK_KV), lambda b, h, q_block, kv_block, *refs: (b, h, q_block, kv_block))
     per_program = pl.BlockSpec((None, None, None, 1, 1), lambda b, h, q_block, kv_block, *refs: (b, h, q_block, 0, 0))
     (dq, share0) = _call(

@@ -1471,7 +1471,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     group, kv_len = heads // k.shape[1], k.shape[2]
     delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    grad_buffers = _grad_buffers(batch, heads, q_len, kv_len, q.device)
+    grad_buffers = _grad_buffers(batch, heads, q_len, kv_len, q.device, params)
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_(), *_trained_grads(lse, delta, params, grad_buffers)
     grid = (_cdiv(q_len, DQ_BLOCK_M), batch * heads)
@@ -1519,10 +1519,12 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers)
 
 
-def _grad_buffers(batch, heads, q_len, kv_len, device):
+def _grad_buffers(batch, heads, q_len, kv_len, device, params):
     """Where the dQ kernel writes each trained read's share, zeroed (tiles the mask hides write
-    nothing): a positional read's per pair, [batch, heads, q_len, kv_len]; another's per program,
-    [q blocks, batch * heads], with the flat index of the element each (batch, head) reads."""
+    nothing): a positional read's per pair, [batch, heads, q_len, kv_len]; a relative read's per
+    program and table entry, [q blocks, batch * heads, its entries rounded up to TABLE_CHUNK];
+    another's per program, [q blocks, batch * heads]; the last two with the flat index of the
+    element (entry 0) each (batch, head) reads. params: _kernel_params' (the data, then each axis' size)."""
     programs = _cdiv(q_len, DQ_BLOCK_M)
     return [
         torch.zeros((programs, batch * heads), device=device, dtype=torch.float32),  # slopes[h]
