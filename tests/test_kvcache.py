@@ -374,7 +374,8 @@ module = import_generated(Path(sys.argv[1]), "_attngen_decode_structure")
 tile = f"x{module.DECODE_BLOCK_N}x{module.BLOCK_D}xbf16"
 decode = TRITON_GPU.kernel("decode")
 # One new token, four query heads per kv head (a 16-row tile), split keys: a decode step's launch.
-for page_size, stages in ((0, module.DECODE_NUM_STAGES), (16, module.DECODE_NUM_STAGES), (16, module.DECODE_NUM_STAGES_PAGED)):
+contiguous, paged = module.DECODE_NUM_STAGES, module.DECODE_NUM_STAGES_PAGED
+for page_size, stages in ((0, contiguous), (16, contiguous), (16, paged)):
     launch = dict(GROUP=4, BLOCK_M=16, SPLIT=1, PAGE_SIZE=page_size)
     ir = compile_kernel(module, decode, "bfloat16", 90, num_stages=stages, **launch).asm["ttgir"]
     print(json.dumps(sorted(set(re.findall(r"memdesc<(\\d+)" + tile, ir)))))

@@ -110,11 +110,13 @@ def _kind(load: ir.Load, shape: tuple, symbols: dict) -> tuple[str, int | None]:
         return SUMMED, None
     names = [i.name if isinstance(i, ir.Var) else None for i in load.indices]
     axes = [_POSITIONAL_AXES.get(n) for n in names]
-    if None not in axes and "q_len" in axes and "kv_len" in axes and names == sorted(names, key=list(_POSITIONAL_AXES).index):
+    own = None not in axes and "q_len" in axes and "kv_len" in axes  # the pair's own position...
+    if own and names == sorted(names, key=list(_POSITIONAL_AXES).index):  # ...in the axes' order
         if tuple(shape) != tuple(axes):
             raise DerivativeError(
                 f"param {load.tensor}: read at [{', '.join(names)}], it must be declared "
-                f"float[{', '.join(axes)}] to be trained (each pair its own element), not float[{', '.join(map(str, shape))}]"
+                f"float[{', '.join(axes)}] to be trained (each pair its own element), "
+                f"not float[{', '.join(map(str, shape))}]"
             )
         return POSITIONAL, None
     reading = [axis for axis, read in enumerate(positions) if read]
@@ -123,7 +125,8 @@ def _kind(load: ir.Load, shape: tuple, symbols: dict) -> tuple[str, int | None]:
     raise DerivativeError(
         f"param {load.tensor}: a trained tensor is read at indices that read no position (e.g. {load.tensor}[h]), "
         f"at the pair's own (b, h,) q_idx, kv_idx in this order (e.g. {load.tensor}[b, h, q_idx, kv_idx]), or with "
-        f"one index of q_idx - kv_idx alone (e.g. {load.tensor}[h, q_idx - kv_idx + max_dist]); this read has other indices"
+        f"one index of q_idx - kv_idx alone (e.g. {load.tensor}[h, q_idx - kv_idx + max_dist]); "
+        "this read has other indices"
     )
 
 

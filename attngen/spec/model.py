@@ -91,15 +91,17 @@ def grads_of_positions(score: ir.Expr | None, grad_params: tuple[str, ...]) -> t
     """Whether the score reads a trained tensor at the pair's own position (its gradient is written
     per pair), and whether through an index computed from the positions (q_idx - kv_idx: a relative
     table, whose gradient the dQ kernel sums along each tile's diagonals)."""
-    reads = [l for l in ir.loads(score) if l.tensor in grad_params and ir.reads_positions(l)] if score is not None else []
-    own = [all(isinstance(i, ir.Var) for i in l.indices) for l in reads]
+    loads = ir.loads(score) if score is not None else ()
+    reads = [load for load in loads if load.tensor in grad_params and ir.reads_positions(load)]
+    own = [all(isinstance(i, ir.Var) for i in load.indices) for load in reads]
     return any(own), not all(own)
 
 
 def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:
     """The spec at another head_dim and dtype, each target's unset keys re-defaulted (for tools
     that sweep shapes, such as the benchmarks)."""
-    shape = ProblemShape(head_dim, spec.head_dim_v or head_dim, dtype, *grads_of_positions(spec.score, spec.grad_params))
+    grads = grads_of_positions(spec.score, spec.grad_params)
+    shape = ProblemShape(head_dim, spec.head_dim_v or head_dim, dtype, *grads)
     configs = {t.name: t.make_config(spec.tables[t.name], shape, _refuse) for t in TARGETS}
     return replace(spec, head_dim=head_dim, dtype=dtype, configs=configs)
 
