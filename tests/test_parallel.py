@@ -34,6 +34,7 @@ CASES = {
         ("document", "ring", "contiguous"),
         ("alibi", "allgather", "zigzag"),
         ("sinks", "ring", "zigzag"),
+        ("relative_bias_trained", "ring", "zigzag"),  # a trained relative table: summed along diagonals
     ],
     4: [
         ("sliding_window", "ring", "zigzag"),
@@ -45,7 +46,11 @@ CASES = {
 
 
 def small(name):
-    spec = retarget(load_spec(f"specs/{name}.toml"), DIM, "float32")
+    if name == "relative_bias_trained":  # specs/relative_bias.toml, its table trained
+        text = Path("specs/relative_bias.toml").read_text() + '\n[grad]\nparams = ["rel_bias"]\n'
+        spec = retarget(parse_spec(text, "relative_bias_trained.toml"), DIM, "float32")
+    else:
+        spec = retarget(load_spec(f"specs/{name}.toml"), DIM, "float32")
     spec = with_config(spec, "triton_gpu", block_m=16, block_n=16, dq_block_m=16, dq_block_n=16,
                        dkdv_block_m=16, dkdv_block_n=16, short_block_m=16, short_block_n=16)  # fmt: skip
     return with_config(spec, "pallas_tpu", block_q=16, block_kv=128)
@@ -61,6 +66,8 @@ def problem(name):
         params = {"sinks": 2 * torch.randn(HEADS, generator=g)}
     if name == "alibi_slopes":
         params = {"slopes": torch.rand(HEADS, generator=g)}
+    if name == "relative_bias_trained":  # distances past 10 clamp to the table's ends
+        params = {"rel_bias": torch.randn(HEADS, 21, generator=g), "max_dist": 10}
     if name == "document":  # documents cross the shard borders
         seg = torch.tensor(np.repeat(np.arange(5), [10, 30, 5, 20, 10]), dtype=torch.int32)[None]
         params = {"seg_q": seg, "seg_kv": seg}
