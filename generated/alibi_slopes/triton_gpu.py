@@ -1521,10 +1521,10 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
 
 def _grad_buffers(batch, heads, q_len, kv_len, device, params):
     """Where the dQ kernel writes each trained read's share, zeroed (tiles the mask hides write
-    nothing): a positional read's per pair, [batch, heads, q_len, kv_len]; a relative read's per
-    program and table entry, [q blocks, batch * heads, its entries rounded up to TABLE_CHUNK];
-    another's per program, [q blocks, batch * heads]; the last two with the flat index of the
-    element (entry 0) each (batch, head) reads. params: _kernel_params' (the data, then each axis' size)."""
+    nothing): a positional read's per pair, [batch, heads, q_len, kv_len];
+    another's per program, [q blocks, batch * heads]; those with the flat index of the element
+    (a relative read's entry 0) each (batch, head) reads. params: _kernel_params' (the data, then
+    each axis' size)."""
     programs = _cdiv(q_len, DQ_BLOCK_M)
     return [
         torch.zeros((programs, batch * heads), device=device, dtype=torch.float32),  # slopes[h]
