@@ -46,6 +46,25 @@ def load_target(spec: Spec, target: str):
     return attngen.load(spec, target, cache_dir=build_dir())
 
 
+def compiled_structure(script: str, *args: str) -> list:
+    """What `script` prints, one JSON value per line, run with args in a process of its own: it
+    compiles kernels for a GPU (TRITON_INTERPRET must be off when triton is imported)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env={**os.environ, "TRITON_INTERPRET": "0"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith(("{", "["))]
+
+
 def spec_from_text(text: str) -> Spec:
     return parse_spec(text, "<drawn spec>")
 

@@ -2,11 +2,6 @@
 what feeds it (V^T in the order P's registers hold the keys, the descale table), its errors, its
 config keys and its compiled structure; tests/test_gpu.py proves it exact for every spec on an H200."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -123,15 +118,7 @@ def test_the_fp8_kernel_multiplies_in_fp8_and_moves_p_within_threads():
     """Compiled for sm_90a beside the bf16 kernel of the same spec: both products run in e4m3, and
     P reaches P V's operand layout with no more shuffles than the bf16 kernel's."""
     module = _module("document")  # block tables: the longest kernel
-    result = subprocess.run(
-        [sys.executable, "-c", _INSPECT, module.__file__],
-        env={**os.environ, "TRITON_INTERPRET": "0"},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    bf16, fp8 = (json.loads(line) for line in result.stdout.splitlines()[-2:])
+    bf16, fp8 = harness.compiled_structure(_INSPECT, module.__file__)[-2:]
     assert fp8["wgmma"] == fp8["e4m3"] > 0 and bf16["e4m3"] == 0
     assert fp8["shuffles"] <= bf16["shuffles"]
     assert fp8["local"] == 0

@@ -4,10 +4,6 @@ float64 reference of attention over the whole sequence (its last rows) -- the sa
 both targets: the Triton interpreter and Pallas in TPU interpret mode."""
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -387,14 +383,6 @@ def test_a_paged_cache_is_pipelined_as_deep_as_a_contiguous_one():
     the contiguous cache's stages paged K and V would be a buffer shallower (0.86x the contiguous
     bandwidth on an H200); the paged launch's two more stages give them the contiguous depth."""
     module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
-    result = subprocess.run(
-        [sys.executable, "-c", _KV_BUFFERS, module.__file__],
-        env={**os.environ, "TRITON_INTERPRET": "0"},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    contiguous, paged_at_contiguous_stages, paged = (json.loads(line) for line in result.stdout.splitlines()[-3:])
+    contiguous, paged_at_contiguous_stages, paged = harness.compiled_structure(_KV_BUFFERS, module.__file__)[-3:]
     assert len(contiguous) == 1 and paged == contiguous
     assert int(paged_at_contiguous_stages[0]) < int(contiguous[0])

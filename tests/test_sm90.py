@@ -2,11 +2,6 @@
 run Gluon, so on a CPU they are compiled for sm_90a and their structure read from the PTX;
 tests/test_gpu.py proves them exact on an H200. Their config keys are checked like the others."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from attngen.errors import SpecError
@@ -38,16 +33,7 @@ print(json.dumps({
 def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel):
     spec = load_spec(f"specs/{name}.toml")
     module = harness.load_target(spec, "triton_gpu")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run(
-        [sys.executable, "-c", _INSPECT, module.__file__, spec.dtype, kernel],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ptx = json.loads(result.stdout.splitlines()[-1])
+    ptx = harness.compiled_structure(_INSPECT, module.__file__, spec.dtype, kernel)[-1]
     assert ptx["wgmma"] > 0 and ptx["tma_loads"] > 0  # asynchronous MMA fed by TMA
     # One product waited for alone while another is in flight: the softmax of the next kv block
     # under P V (forward), P^T under dP^T (dK/dV).
