@@ -150,7 +150,7 @@ class ContextParallel:
         arrays, the device index) are arguments or computed inside: the backward is traced apart."""
         blocks = _RingBlocks(self, scale, totals, chunks, constants)
         # The trained params (the backward returns their gradients) apart from the other arrays.
-        trained = {name: arrays[name] for name in getattr(self.module, "TRAINED_PARAMS", ()) if name in arrays}
+        trained = {name: arrays[name] for name in blocks.trained if name in arrays}
         others = {name: value for name, value in arrays.items() if name not in trained}
 
         @jax.custom_vjp
@@ -193,6 +193,7 @@ class _RingBlocks:
         self.cp, self.scale, self.totals, self.constants = cp, scale, totals, constants
         self.q_chunk, self.kv_chunk = chunks
         self.next = [(r, (r + 1) % cp.world) for r in range(cp.world)]
+        self.trained = getattr(cp.module, "TRAINED_PARAMS", ())  # what its backward returns gradients for, in order
 
     def _pairs(self, step, arrays):
         """(q slice, kv slice, kernel params, visible) of every chunk pair at ring step `step`;
@@ -233,7 +234,7 @@ class _RingBlocks:
         module = self.cp.module
         dq = jnp.zeros(q.shape, jnp.float32)
         dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-        trained = [name for name in getattr(module, "TRAINED_PARAMS", ()) if name in arrays]
+        trained = [name for name in self.trained if name in arrays]
         dparams = {name: jnp.zeros(arrays[name].shape, jnp.float32) for name in trained}
         for step in range(self.cp.world):
             for rows, cols, args, visible in self._pairs(step, arrays):

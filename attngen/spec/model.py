@@ -87,14 +87,20 @@ class Spec:
         return self.configs[target]
 
 
-def grads_of_positions(score: ir.Expr | None, grad_params: tuple[str, ...]) -> tuple[bool, bool]:
-    """Whether the score reads a trained tensor at the pair's own position (its gradient is written
-    per pair), and whether through an index computed from the positions (q_idx - kv_idx: a relative
-    table, whose gradient the dQ kernel sums along each tile's diagonals)."""
+def trained_position_reads(score: ir.Expr | None, grad_params: tuple[str, ...]) -> tuple[list, list]:
+    """The score's reads of trained tensors that read the positions: those at the pair's own
+    position (each index a variable: their gradient is written per pair), and those through an index
+    computed from the positions (q_idx - kv_idx: a relative table, summed along diagonals)."""
     loads = ir.loads(score) if score is not None else ()
     reads = [load for load in loads if load.tensor in grad_params and ir.reads_positions(load)]
-    own = [all(isinstance(i, ir.Var) for i in load.indices) for load in reads]
-    return any(own), not all(own)
+    own = [load for load in reads if all(isinstance(i, ir.Var) for i in load.indices)]
+    return own, [load for load in reads if load not in own]
+
+
+def grads_of_positions(score: ir.Expr | None, grad_params: tuple[str, ...]) -> tuple[bool, bool]:
+    """Whether the score has trained reads of each kind of trained_position_reads (ProblemShape's)."""
+    own, computed = trained_position_reads(score, grad_params)
+    return bool(own), bool(computed)
 
 
 def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from attngen import ir
 from attngen.errors import Diagnostic, SpecError
-from attngen.spec.model import Param, Spec
+from attngen.spec.model import Param, Spec, trained_position_reads
 
 SHARDING = ("q_offset", "kv_offset", "q_total", "kv_total")
 _GLOBAL_AXES = {"q_len": "q_total", "kv_len": "kv_total"}
@@ -52,15 +52,8 @@ def sharded(spec: Spec) -> Spec:
         )
     if spec.varlen:
         raise SpecError([Diagnostic(f"{spec.name} is packed (varlen); shard the spec itself", None)])
-    positional = sorted(  # (a read at q_idx - kv_idx, a relative table, stays trained)
-        {
-            load.tensor
-            for load in (ir.loads(spec.score) if spec.score is not None else ())
-            if load.tensor in spec.grad_params
-            and ir.reads_positions(load)
-            and all(isinstance(i, ir.Var) for i in load.indices)
-        }
-    )
+    own, _ = trained_position_reads(spec.score, spec.grad_params)  # (a relative table stays trained)
+    positional = sorted({load.tensor for load in own})
     if positional:
         raise SpecError(
             [
