@@ -714,11 +714,16 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
 
 
 def _decode_splits(tiles, capacity, device):
-    """In how many splits the keys of each tile's sequence are walked (flash-decoding): as many as
-    fill one wave of DECODE_PROGRAMS_PER_SM resident programs on every SM (a second, partial wave
-    would run on few SMs while the rest idle), each split at least two blocks of the capacity."""
-    fits = DECODE_PROGRAMS_PER_SM * _sm_count(device) // tiles
-    return max(1, min(fits, _cdiv(capacity, 2 * DECODE_BLOCK_N), 128))
+    """In how many splits the keys of each tile's sequence are walked (flash-decoding), each at
+    least two blocks of the capacity. Measured on the H200 (BENCHMARKS.md, 2026-12-02, one token,
+    32 / 8 heads): a grid of about two waves of DECODE_PROGRAMS_PER_SM resident programs per SM
+    reads 8-16 % slower than one wave or eight (at batch 8, 16, 32 and 64 alike), and beyond 16
+    splits a tile the short splits' prologues and the merge cost more than they bring (batch 1).
+    So: tiles that fit in one wave split to fill it, up to 16 ways; more tiles split into about
+    eight waves of programs."""
+    slots = DECODE_PROGRAMS_PER_SM * _sm_count(device)
+    splits = min(slots // tiles, 16) if tiles <= slots else round(8 * slots / tiles)
+    return max(1, min(splits, _cdiv(capacity, 2 * DECODE_BLOCK_N)))
 
 
 def attention_with_kvcache(
