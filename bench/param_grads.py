@@ -11,13 +11,14 @@ grad. Every gradient is first checked against float64 on a slice of the heads (a
 rule), ours and Flex's; ours is also run twice and compared bitwise (Flex's accumulates the
 captured tensors' gradients with atomics).
 
-    python bench/param_grads.py
+    python bench/param_grads.py [--scores slopes,bias,rel]
 
 Prints a table last; writes results.json to $OUT (or ./bench-out).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -156,11 +157,14 @@ def row(name: str, length: int, flex) -> dict:
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scores", default=",".join(SCORES), help="comma-separated, of: " + ", ".join(SCORES))
+    args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "bench-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     flex = torch.compile(flex_attention)
-    rows = [row(name, length, flex) for name in SCORES for length in (4096, 8192)]
+    rows = [row(name, length, flex) for name in args.scores.split(",") for length in (4096, 8192)]
     (out_dir / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     print(env)
     print(

@@ -69,10 +69,22 @@ def problem():
     return q, k, v, do, params
 
 
+# Relative reads: bucketed (the spec's), one entry per distance (a tile's diagonals read entries of
+# more than one of the dQ kernel's chunks of 32), and one whose entries wrap around (`%`).
+RELATIVE = {
+    "bucketed": ("(q_idx - kv_idx) // 3 + 12", 25),
+    "per distance": ("q_idx - kv_idx + 40", 81),
+    "wrapped": ("(q_idx - kv_idx) % 37 + 3", 41),
+}
+
+
+@pytest.mark.parametrize("relative", RELATIVE)
 @pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
-def test_trained_params_get_exact_gradients(target):
-    spec = small(TRAINED)
+def test_trained_params_get_exact_gradients(target, relative):
+    index, entries = RELATIVE[relative]
+    spec = small(TRAINED.replace("(q_idx - kv_idx) // 3 + 12", index))
     q, k, v, do, params = problem()
+    params["rel"] = torch.randn(HEADS, entries, generator=torch.Generator().manual_seed(6))
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     trained = {n: t.double().requires_grad_() if n in TRAINED_NAMES else t.double() for n, t in params.items()}
     ref_out, ref_lse = attention_ref_torch(spec, *leaves, **trained)
