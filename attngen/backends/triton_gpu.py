@@ -58,10 +58,9 @@ class TritonConfig:
     dkdv_num_stages: int
     # Decoding from a KV cache: up to decode_block_m query rows (the new tokens of every query
     # head of one kv head, packed) per program, decode_block_n cached keys per step; the keys of a
-    # sequence are split by waves of decode_programs_per_sm resident programs per SM (two: each
-    # takes 100-112 KiB of shared memory, and an H100/H200 SM has 227; the generated module's
-    # _decode_splits has the rule, BENCHMARKS.md the sweeps). Not in the tuned table yet: these
-    # defaults hold for every GPU.
+    # sequence are split so that the grid holds decode_programs_per_sm programs per SM, or about
+    # eight times as many (the generated module's _decode_splits has the rule, BENCHMARKS.md the
+    # sweeps). Not in the tuned table yet: these defaults hold for every GPU.
     decode_block_m: int = 64
     decode_block_n: int = 64
     decode_num_warps: int = 4

@@ -668,7 +668,7 @@ DECODE_NUM_STAGES_HIP = min(DECODE_NUM_STAGES, 2)
 # keeps K and V one buffer deep (up to DECODE_NUM_STAGES + 1); two more stages give them the two
 # buffers the contiguous cache has (H200, 16-token pages: 0.86x -> 0.97x its bandwidth).
 DECODE_NUM_STAGES_PAGED = DECODE_NUM_STAGES + 2
-# Split-KV: the keys of a sequence are split into one wave of this many resident programs per SM.
+# Split-KV: the grid the splits fill, in programs per SM (or about eight times as many: _decode_splits).
 DECODE_PROGRAMS_PER_SM = 2
 
 
@@ -743,11 +743,12 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
 def _decode_splits(tiles, capacity, device):
     """In how many splits the keys of each tile's sequence are walked (flash-decoding), each at
     least two blocks of the capacity. Measured on the H200 (BENCHMARKS.md, 2026-12-02, one token,
-    32 / 8 heads): a grid of about two waves of DECODE_PROGRAMS_PER_SM resident programs per SM
-    reads 8-16 % slower than one wave or eight (at batch 8, 16, 32 and 64 alike), and beyond 16
-    splits a tile the short splits' prologues and the merge cost more than they bring (batch 1).
-    So: tiles that fit in one wave split to fill it, up to 16 ways; more tiles split into about
-    eight waves of programs."""
+    32 / 8 heads): grids of DECODE_PROGRAMS_PER_SM programs per SM or fewer, or about eight times
+    as many, read at the copy's bandwidth, and grids of 512 programs 8-16 % slower at batch 8, 16,
+    32 and 64 alike (1.3 waves: an SM holds three 70 KiB one-token programs); beyond 16 splits a
+    tile, the short splits' prologues and the merge cost more than they bring (batch 1). So: tiles
+    that fit in DECODE_PROGRAMS_PER_SM per SM split to fill them, up to 16 ways; more tiles split
+    into about eight times as many programs."""
     slots = DECODE_PROGRAMS_PER_SM * _sm_count(device)
     splits = min(slots // tiles, 16) if tiles <= slots else round(8 * slots / tiles)
     return max(1, min(splits, _cdiv(capacity, 2 * DECODE_BLOCK_N)))
