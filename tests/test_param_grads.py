@@ -55,7 +55,7 @@ def small(text):
     return with_config(spec, "pallas_tpu", block_q=16, block_kv=128)
 
 
-def problem():
+def problem(relative_entries):
     g = torch.Generator().manual_seed(5)
     q, do = (torch.randn(BATCH, HEADS, Q_LEN, DIM, generator=g) for _ in range(2))
     k, v = (torch.randn(BATCH, KV_HEADS, KV_LEN, DIM, generator=g) for _ in range(2))
@@ -64,13 +64,14 @@ def problem():
         "slopes": 0.1 * torch.rand(HEADS, generator=g),
         "bias": torch.randn(BATCH, HEADS, Q_LEN, KV_LEN, generator=g),
         "shift": torch.randn(HEADS, generator=g),
-        "rel": torch.randn(HEADS, 25, generator=g),  # distances -44..36 bucket to -3..24: the first clamp to 0
+        "rel": torch.randn(HEADS, relative_entries, generator=g),
     }
     return q, k, v, do, params
 
 
-# Relative reads: bucketed (the spec's), one entry per distance (a tile's diagonals read entries of
-# more than one of the dQ kernel's chunks of 32), and one whose entries wrap around (`%`).
+# Relative reads, with their tables' lengths (distances run -44..36): bucketed (the spec's; the first
+# buckets clamp to 0), one entry per distance (a tile's diagonals read entries of more than one of
+# the dQ kernel's chunks of 32), and one whose entries wrap around (`%`).
 RELATIVE = {
     "bucketed": ("(q_idx - kv_idx) // 3 + 12", 25),
     "per distance": ("q_idx - kv_idx + 40", 81),
@@ -83,8 +84,7 @@ RELATIVE = {
 def test_trained_params_get_exact_gradients(target, relative):
     index, entries = RELATIVE[relative]
     spec = small(TRAINED.replace("(q_idx - kv_idx) // 3 + 12", index))
-    q, k, v, do, params = problem()
-    params["rel"] = torch.randn(HEADS, entries, generator=torch.Generator().manual_seed(6))
+    q, k, v, do, params = problem(entries)
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     trained = {n: t.double().requires_grad_() if n in TRAINED_NAMES else t.double() for n, t in params.items()}
     ref_out, ref_lse = attention_ref_torch(spec, *leaves, **trained)
