@@ -106,6 +106,11 @@ class BoundsPlan:
     affine: bool
     reads: frozenset[str]  # the variables the four bounds read (e.g. whether q_last is needed)
 
+    @property
+    def alike(self) -> bool:
+        """Whether every row block (of any batch and head) gets the same ranges: the tiles cost alike."""
+        return not self.reads & {"q_first", "q_last", "kv_first", "kv_last", "b", "h"}
+
 
 @dataclass(frozen=True)
 class KernelPlan:

@@ -117,6 +117,38 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
         assert error <= 2 * (theirs.double() - ref).abs().max().item() + 1e-6
 
 
+@pytest.mark.parametrize(
+    "name, head_dim", [("causal", None), ("document", None), ("value_dim", None), ("sinks", None), ("full", 256)]
+)
+def test_the_persistent_hopper_forward_walks_many_tiles_a_program(name, head_dim, monkeypatch):
+    """The persistent Hopper forward (bf16 and FP8) launched as if on a GPU of 5 SMs, so that each
+    program walks some 13 tiles: Q's buffer refilled, barrier phases turned, O's tile stored again
+    (at D = 256 through Q's buffer), block tables and sinks read per tile."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
+    spec = with_config(retarget(spec, head_dim, spec.dtype) if head_dim else spec, "triton_gpu", sm90_forward=1)
+    module = harness.load_target(spec, "triton_gpu")
+    monkeypatch.setattr(module, "SM90_PERSISTENT", 1)  # (exact either way; only the balance differs)
+    monkeypatch.setattr(module, "_sm_count", lambda device: 5)
+    batch, heads, kv_heads, q_len, kv_len = 2, 4, 2, 1000, 1537  # 64 tiles of 128 queries
+    q, k, v, _ = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    params = _params(name, batch, heads, q_len, kv_len, seed=1)
+    assert module._runs_sm90(q, module.SM90_FORWARD)
+    out, lse = module.attention(q, k, v, return_lse=True, **params)
+    ref_out, ref_lse = attention_ref_torch(spec, q, k, v, dtype=torch.float64, **params)
+    base_out, _ = attention_ref_torch(spec, q, k, v, dtype=q.dtype, **params)
+    assert_forward(spec.dtype, out, lse, ref_out, ref_lse, base_out)
+    (q8, q_descale, q), (k8, k_descale, k), (v8, v_descale, v) = (fp8_quantized(x.float(), kv_heads) for x in (q, k, v))
+    out, lse = module.attention_fp8(
+        q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, return_lse=True, **params
+    )
+    ref_out, ref_lse = attention_ref_torch(spec, q, k, v, dtype=torch.float64, **params)
+    base_out, _ = attention_ref_torch(spec, q, k, v, dtype=torch.float32, fp8_probs=True, **params)
+    assert_forward(FP8, out, lse, ref_out, ref_lse, base_out.bfloat16())
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in Path("specs").glob("*.toml")))
 def test_the_fp8_forward_is_exact_for_every_spec(name):
     """attention_fp8 on an sm90 GPU: e4m3 q, k, v with a descale per batch and kv head (per tensor

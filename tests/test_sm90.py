@@ -28,8 +28,13 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("kernel", ["fwd_sm90", "bwd_dkdv_sm90"])
-@pytest.mark.parametrize("name", ["causal", "document"])  # closed-form tile bounds; block tables
+@pytest.mark.parametrize(
+    ("name", "kernel"),
+    [
+        *((name, kernel) for kernel in ("fwd_sm90", "bwd_dkdv_sm90") for name in ("causal", "document")),
+        ("full", "fwd_sm90"),  # the persistent forward
+    ],
+)  # closed-form tile bounds; block tables
 def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel):
     spec = load_spec(f"specs/{name}.toml")
     module = harness.load_target(spec, "triton_gpu")
@@ -40,6 +45,18 @@ def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel):
     assert ptx["waits"] == ["0", "1"]
     assert {24, 240} <= set(ptx["registers"])  # registers moved from the loader warp to the consumers
     assert ptx["local"] == 0  # nothing in local memory at the PTX level
+
+
+def test_the_hopper_forward_persists_where_its_tiles_cost_alike():
+    """A program per SM walking its share of the tiles where every tile walks the same kv blocks; a
+    program per tile where they differ (by query block, batch, head or a block table), so that the
+    GPU's block scheduler balances them."""
+
+    def persistent(name):
+        return "\nSM90_PERSISTENT = 1\n" in _source(load_spec(f"specs/{name}.toml"))
+
+    assert persistent("full") and persistent("relative_bias")
+    assert not any(map(persistent, ("causal", "sliding_window", "prefix_lm_batched", "document")))
 
 
 def test_the_hopper_kernels_are_built_where_they_are_measured_faster():

@@ -14,6 +14,7 @@ from attngen.analysis.tiles import BY_KEY_BLOCK, BY_QUERY_BLOCK
 from attngen.backends.base import (
     F32_POINTER,
     FP8,
+    I32,
     I32_POINTER,
     INPUT_POINTER,
     NOT_PASSED,
@@ -137,6 +138,7 @@ def _forward_sm90(element: str = "") -> dict:
             ("LSE", F32_POINTER),
             ("DESCALE", F32_POINTER if element else NOT_PASSED),
             *PROBLEM_ARGS,
+            ("batch_heads", I32),  # batch * num_heads: the grid's tiles are query blocks x this
         ),
         "language": "gluon",
         "capabilities": (90,),

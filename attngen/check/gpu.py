@@ -112,6 +112,7 @@ def _signature(module, kernel: Kernel, dtype: str, tma: bool = True):
         "BLOCK_DV": module.BLOCK_DV,
         "HEAD_DIM": module.HEAD_DIM,
         "HEAD_DIM_V": module.HEAD_DIM_V,
+        "PERSISTENT": getattr(module, "SM90_PERSISTENT", 0),  # the Hopper forward's grid, as the module launches it
     }
     widths = {"d": module.BLOCK_D, "dv": module.BLOCK_DV, **constexpr_values}
     tensors = getattr(module, "TENSOR_PARAMS", {})

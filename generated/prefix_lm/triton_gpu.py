@@ -125,6 +125,13 @@ SM90_DKDV_NUM_STAGES = 2
 # The Hopper kernels' register limit per thread: the first consumer warpgroup (the default
 # partition) gets what the second consumer (240) and the loader warp (24) leave.
 SM90_MAX_REGISTERS = 168
+# The Hopper forward's tiles (Q, O, the K/V ring) fit in this much shared memory: sm90's 227 KiB per
+# block less 1 KiB for the mbarriers.
+SM90_TILE_BYTES = 226 * 1024
+# The Hopper forward's tiles differ in cost (their kv blocks depend on the query block, batch or
+# head): a program per tile, heaviest first, balanced by the GPU's block scheduler. (A static share
+# per SM left the busiest SM 57 % over the mean at causal 16k: BENCHMARKS.md, 2026-12-02.)
+SM90_PERSISTENT = 0
 # GQA and MQA: the dK/dV grid grows to this many programs per SM by splitting query-head groups
 # (see _group_splits; BENCHMARKS.md has the sweep behind it).
 PROGRAMS_PER_SM = 4
@@ -787,6 +794,11 @@ def attention_with_kvcache(
 # the next. The registers move to the consumers (setmaxnreg). Same tile bounds, mask and score
 # functions as the kernels above.
 #
+# Persistent where the tiles cost alike (SM90_PERSISTENT): a program per SM walks its share of the
+# tiles (query block, batch, head) in _sm90_tile's order, so the loader fetches the next tile's Q and
+# K/V while the consumers store this one's output, and no program is launched and set up per tile.
+# Elsewhere the grid has a program per tile, in the same order.
+#
 # FP8 (attention_fp8): q, k, v in float8 e4m3 with descale factors, the output in the spec's dtype.
 # wgmma reads fp8 operands from shared memory only K-major, so V arrives transposed (V^T, its keys
 # contiguous: _fp8_transposed) and P is rounded to e4m3 before P V, as FlashAttention-3 does.
@@ -814,21 +826,66 @@ def _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_
 
 
 @gluon.jit
-def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                 b, h, h_kv, q_first, kv_lo, kv_hi, full_lo, full_hi, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
-    """The loader warp: each consumer's half of the Q tile, then the K/V tiles of every run in order."""
+def _sm90_tile(t, batch_heads, num_heads, q_len, kv_len, param_prefix, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t of the grid, or of a persistent program's walk: (b, h, bh, its first query, its runs
+    of kv blocks). Head after head, so that the programs at work share one head's K and V in L2, and
+    the heaviest query block of each head first (under a causal mask, the last)."""
+    q_blocks = gl.cdiv(q_len, BLOCK_M)
+    bh = t // q_blocks
+    q_block = q_blocks - 1 - t % q_blocks
+    b = bh // num_heads
+    h = bh % num_heads
+    q_first = q_block * BLOCK_M
+    q_last = gl.minimum(q_first + BLOCK_M, q_len) - 1
+    kv_lo = 0
+    kv_hi = floordiv(tl.minimum(BLOCK_N + kv_len - 1, tl.maximum(BLOCK_N + q_last, BLOCK_N + param_prefix - 1)), BLOCK_N)
+    full_lo = tl.minimum(kv_hi, kv_lo)
+    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, tl.maximum(param_prefix, q_first + 1)) // BLOCK_N))
+    return b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi
+
+
+@gluon.jit
+def _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                    v_empty, t, done, it, batch_heads, num_heads, q_len, kv_len, param_prefix,
+                    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
+                    FP8: gl.constexpr):
+    """Tile t's loads, the program's `done`-th: each consumer's half of its Q tile once its consumer
+    is done with the last one, then the K/V tiles of every run in order (`it` counts ring slots used)."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi = _sm90_tile(t, batch_heads, num_heads, q_len, kv_len, param_prefix,
+                                              BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
+        mbarrier.wait(q_empty.index(half), done & 1 ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            q_desc, [b, h, q_first + half * q_desc.block_type.shape[2], 0], q_ready.index(half), q_smem.index(half)
-        )
-    it = 0
-    it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, kv_lo, full_lo, it,
-                        STAGES, BLOCK_N, FP8)
-    it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, full_lo, full_hi, it,
-                        STAGES, BLOCK_N, FP8)
-    it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h_kv, full_hi, kv_hi, it,
-                        STAGES, BLOCK_N, FP8)
+        tma.async_copy_global_to_shared(q_desc, [b, h, q_first + half * ROWS, 0], q_ready.index(half), q_smem.index(half))
+    it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h // GROUP,
+                        kv_lo, full_lo, it, STAGES, BLOCK_N, FP8)
+    it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h // GROUP,
+                        full_lo, full_hi, it, STAGES, BLOCK_N, FP8)
+    it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h // GROUP,
+                        full_hi, kv_hi, it, STAGES, BLOCK_N, FP8)
+    return it
+
+
+@gluon.jit
+def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                 batch_heads, num_heads, q_len, kv_len, param_prefix,
+                 STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
+                 FP8: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The loader warp: the loads of this program's tiles."""
+    if PERSISTENT:
+        it = 0
+        done = 0
+        for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
+            it = _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                 v_ready, v_empty, t, done, it, batch_heads, num_heads, q_len,
+                                 kv_len, param_prefix, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8)
+            done += 1
+    else:
+        # (`it` as a tensor: the kv loops carry it)
+        _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, gl.program_id(0), 0, gl.to_tensor(0), batch_heads, num_heads, q_len,
+                        kv_len, param_prefix, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8)
 
 
 @gluon.jit
@@ -950,22 +1007,26 @@ def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empt
 
 
 @gluon.jit
-def _sm90_consumer(o_desc, LSE, descale, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                   b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_prefix,
-                   HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
-    """A consumer warpgroup: query rows [HALF * ROWS, (HALF + 1) * ROWS) of the tile."""
-    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+def _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                       v_ready, v_empty, t, done, it, batch_heads, num_heads, q_len, kv_len, scale, param_prefix,
+                       HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       GROUP: gl.constexpr, FP8: gl.constexpr, O_IN_Q: gl.constexpr):
+    """Query rows [HALF * ROWS, (HALF + 1) * ROWS) of tile t, the program's `done`-th; returns `it`."""
     ROWS: gl.constexpr = q_smem.shape[3]
     BLOCK_D: gl.constexpr = q_smem.shape[4]
     BLOCK_DV: gl.constexpr = o_smem.shape[4]
     s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_N, FP8)
     o_layout: gl.constexpr = _sm90_acc_layout(BLOCK_DV, FP8)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    if FP8:  # descale: (q's descale * k's, v's descale) of this program's kv head
+    b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi = _sm90_tile(t, batch_heads, num_heads, q_len, kv_len, param_prefix,
+                                              BLOCK_M, BLOCK_N)
+    tile_scale = scale
+    if FP8:  # DESCALE: [batch, kv_heads, 2] of (q's descale * k's, v's descale)
+        descale = DESCALE + (b * (num_heads // GROUP) + h // GROUP) * 2
         qk_descale = gl.load(descale)  # q.k of the stored values times this is q.k of the true ones
         # The softmax takes the scale to be >= 0 (the host refuses a negative scale): a negative
         # descale gives NaN, not a wrong answer.
-        scale = gl.where(qk_descale >= 0.0, scale * qk_descale, float("nan"))
+        tile_scale = gl.where(qk_descale >= 0.0, scale * qk_descale, float("nan"))
 
     q_first = q_first + HALF * ROWS
     q_idx = gl.expand_dims(q_first + gl.arange(0, ROWS, rows_s), 1)
@@ -973,63 +1034,86 @@ def _sm90_consumer(o_desc, LSE, descale, q_smem, o_smem, k_smem, v_smem, q_ready
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
     q_tile = q_smem.index(HALF).reshape([ROWS, BLOCK_D])
-    mbarrier.wait(q_ready.index(HALF), 0)
-    it = 0
+    mbarrier.wait(q_ready.index(HALF), done & 1)
     acc, l_i, m_i, it = _sm90_consume_run(
         acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-        kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, param_prefix, True, STAGES, BLOCK_N, FP8,
+        kv_lo, full_lo, q_idx, b, h, q_len, kv_len, tile_scale, param_prefix, True, STAGES, BLOCK_N, FP8,
     )
     acc, l_i, m_i, it = _sm90_consume_run(
         acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-        full_lo, full_hi, q_idx, b, h, q_len, kv_len, scale, param_prefix, False, STAGES, BLOCK_N, FP8,
+        full_lo, full_hi, q_idx, b, h, q_len, kv_len, tile_scale, param_prefix, False, STAGES, BLOCK_N, FP8,
     )
     acc, l_i, m_i, it = _sm90_consume_run(
         acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-        full_hi, kv_hi, q_idx, b, h, q_len, kv_len, scale, param_prefix, True, STAGES, BLOCK_N, FP8,
+        full_hi, kv_hi, q_idx, b, h, q_len, kv_len, tile_scale, param_prefix, True, STAGES, BLOCK_N, FP8,
     )
-
     # A row with no visible key has l = 0 and acc = 0: its output is 0 and its LSE -inf.
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
     if FP8:
         out = out * gl.load(descale + 1)
-    o_tile = o_smem.index(HALF)
+    if O_IN_Q:  # the output goes out through Q's buffer, which is free once it has left
+        o_tile = q_smem.index(HALF)
+    else:  # Q is done with (every product that read it has been waited for): the loader may refill it
+        mbarrier.arrive(q_empty.index(HALF), count=1)
+        o_tile = o_smem.index(HALF)
+        tma.store_wait(0)  # the previous tile's output has left o_tile
     o_tile.reshape([ROWS, BLOCK_DV]).store(out.to(o_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, q_first, 0], o_tile)  # rows past q_len are dropped
     lse = _lse(m_i, l_i)
     offs_m = q_first + gl.arange(0, ROWS, rows_s)
     gl.store(LSE + bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+    if O_IN_Q:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(HALF), count=1)
+    return it
+
+
+@gluon.jit
+def _sm90_consumer(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                   v_empty, batch_heads, num_heads, q_len, kv_len, scale, param_prefix,
+                   HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   GROUP: gl.constexpr, FP8: gl.constexpr, O_IN_Q: gl.constexpr, PERSISTENT: gl.constexpr):
+    """A consumer warpgroup: its half of the query rows of each of this program's tiles."""
+    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+    if PERSISTENT:
+        it = 0
+        done = 0
+        for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
+            it = _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                    k_empty, v_ready, v_empty, t, done, it, batch_heads, num_heads, q_len, kv_len,
+                                    scale, param_prefix, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q)
+            done += 1
+    else:  # (`it` as a tensor: the kv loops carry it)
+        _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                           v_ready, v_empty, gl.program_id(0), 0, gl.to_tensor(0), batch_heads, num_heads, q_len, kv_len,
+                           scale, param_prefix, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q)
     tma.store_wait(0)
+
+
+@gluon.constexpr_function
+def _sm90_o_in_q(q_bytes, o_bytes, ring_bytes):
+    """Whether O's tile goes out through Q's buffer: where both do not fit beside the K/V ring (wide heads)."""
+    return q_bytes + o_bytes + ring_bytes > SM90_TILE_BYTES
 
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "param_prefix"])
 def _attention_fwd_sm90(
     q_desc, k_desc, v_desc, o_desc, LSE, DESCALE,
-    num_heads, q_len, kv_len, scale, param_prefix,
+    num_heads, q_len, kv_len, scale, batch_heads, param_prefix,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    STAGES: gl.constexpr, FP8: gl.constexpr,
+    STAGES: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
-    # Heaviest q blocks first, as in _attention_fwd.
-    q_block = gl.num_programs(0) - 1 - gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    q_first = q_block * BLOCK_M
-    if FP8:  # DESCALE: [batch, kv_heads, 2] of (q's descale * k's, v's descale)
-        descale = DESCALE + (b * (num_heads // GROUP) + h // GROUP) * 2
-    else:
-        descale = 0  # unread (a warp-specialized partition takes no None)
-    q_last = gl.minimum(q_first + BLOCK_M, q_len) - 1
-    kv_lo = 0
-    kv_hi = floordiv(tl.minimum(BLOCK_N + kv_len - 1, tl.maximum(BLOCK_N + q_last, BLOCK_N + param_prefix - 1)), BLOCK_N)
-    full_lo = tl.minimum(kv_hi, kv_lo)
-    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, tl.maximum(param_prefix, q_first + 1)) // BLOCK_N))
-
     ROWS: gl.constexpr = BLOCK_M // 2  # per consumer warpgroup
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], q_desc.layout)
-    if BLOCK_DV == BLOCK_D and not FP8:
-        o_smem = q_smem  # each consumer's half of Q is dead by the time it stores its output there
+    Q_BYTES: gl.constexpr = 2 * q_desc.block_type.nbytes
+    O_BYTES: gl.constexpr = 2 * o_desc.block_type.nbytes
+    RING_BYTES: gl.constexpr = STAGES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    O_IN_Q: gl.constexpr = _sm90_o_in_q(Q_BYTES, O_BYTES, RING_BYTES)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], q_desc.layout)  # a half per consumer
+    if O_IN_Q:
+        gl.static_assert(BLOCK_DV == BLOCK_D and not FP8, "O's tile must have Q's shape and dtype to share its buffer")
+        o_smem = q_smem
     else:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
@@ -1038,12 +1122,14 @@ def _attention_fwd_sm90(
     else:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for half in gl.static_range(2):
         mbarrier.init(q_ready.index(half), count=1)
+        mbarrier.init(q_empty.index(half), count=1)  # released by its consumer
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
@@ -1054,18 +1140,21 @@ def _attention_fwd_sm90(
         [
             (
                 _sm90_consumer,
-                (o_desc, LSE, descale, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                 b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_prefix, 0, STAGES, BLOCK_N, FP8),
+                (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                 v_empty, batch_heads, num_heads, q_len, kv_len, scale, param_prefix, 0, STAGES, BLOCK_M,
+                 BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT),
             ),
             (
                 _sm90_consumer,
-                (o_desc, LSE, descale, q_smem, o_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                 b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi, q_len, kv_len, scale, param_prefix, 1, STAGES, BLOCK_N, FP8),
+                (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                 v_empty, batch_heads, num_heads, q_len, kv_len, scale, param_prefix, 1, STAGES, BLOCK_M,
+                 BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT),
             ),
             (
                 _sm90_loader,
-                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                 b, h, h // GROUP, q_first, kv_lo, kv_hi, full_lo, full_hi, STAGES, BLOCK_N, FP8),
+                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                 batch_heads, num_heads, q_len, kv_len, param_prefix, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8,
+                 PERSISTENT),
             ),
         ],
         [4, 1],  # warps: the second consumer, the loader
@@ -1386,11 +1475,13 @@ def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
         block_m, block_n, stages, warps = SM90_FP8_BLOCK_M, SM90_FP8_BLOCK_N, SM90_FP8_NUM_STAGES, SM90_FP8_NUM_WARPS
         v_desc = _nvmma_descriptor(v, BLOCK_DV, block_n)
     rows = block_m // 2  # per consumer warpgroup
-    _attention_fwd_sm90[(_cdiv(q_len, block_m), batch * heads)](
+    tiles = _cdiv(q_len, block_m) * batch * heads
+    programs = min(tiles, _sm_count(q.device)) if SM90_PERSISTENT else tiles  # one fits an SM
+    _attention_fwd_sm90[(programs,)](
         _nvmma_descriptor(q, rows), _nvmma_descriptor(k, block_n), v_desc, _nvmma_descriptor(out, rows, BLOCK_DV), lse,
-        descale, heads, q_len, kv_len, scale, *params, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, FP8=descale is not None, num_warps=warps,
-        maxnreg=SM90_MAX_REGISTERS,
+        descale, heads, q_len, kv_len, scale, batch * heads, *params, GROUP=group, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, FP8=descale is not None,
+        PERSISTENT=SM90_PERSISTENT, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
     )
 
 
