@@ -64,7 +64,7 @@ def test_specs_compile_for_every_target(spec_file, group):
     assert all("lowered to Mosaic only" not in f.warning for f in tpu), "libtpu missing: no real Mosaic compile"
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(drawn=specs(dtypes=("bfloat16", "float32"), head_dims=(64, 128)))
 def test_drawn_specs_compile(drawn):
     # One GPU and one TPU: the drawn expressions are what varies here (specs/ covers every target).

@@ -848,7 +848,7 @@ def attention_with_kvcache(
 
 
 # ---------------------------------------------------------------------------- Hopper (sm90) forward
-# FlashAttention-3's structure, written in Gluon: one warp loads Q once and streams K and V tiles
+# FlashAttention-3's structure, written in Gluon: one warp loads a tile's Q and streams K and V tiles
 # through a ring of shared-memory buffers with TMA; two consumer warpgroups own 64 query rows each
 # and run the online softmax with asynchronous wgmma, the softmax of one kv block under the QK^T of
 # the next. The registers move to the consumers (setmaxnreg). Same tile bounds, mask and score
