@@ -140,13 +140,23 @@ def test_the_persistent_hopper_forward_walks_many_tiles_a_program(name, head_dim
     ref_out, ref_lse = attention_ref_torch(spec, q, k, v, dtype=torch.float64, **params)
     base_out, _ = attention_ref_torch(spec, q, k, v, dtype=q.dtype, **params)
     assert_forward(spec.dtype, out, lse, ref_out, ref_lse, base_out)
-    (q8, q_descale, q), (k8, k_descale, k), (v8, v_descale, v) = (fp8_quantized(x.float(), kv_heads) for x in (q, k, v))
+    results, _ = _fp8_forward(spec, module, q, k, v, kv_heads, params)
+    assert_forward(FP8, *results)
+
+
+def _fp8_forward(spec, module, q, k, v, kv_heads, params, per_head=True):
+    """attention_fp8 on q, k, v quantized to e4m3 (a descale per batch and kv head, or per tensor),
+    with what FlashAttention-3's rule judges it by: ((out, lse, float64 out and lse on the true
+    values, a plain FP8 forward's out in bf16), the true q and k)."""
+    (q8, q_descale, q), (k8, k_descale, k), (v8, v_descale, v) = (
+        fp8_quantized(x.float(), kv_heads, per_head) for x in (q, k, v)
+    )
     out, lse = module.attention_fp8(
         q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, return_lse=True, **params
     )
     ref_out, ref_lse = attention_ref_torch(spec, q, k, v, dtype=torch.float64, **params)
     base_out, _ = attention_ref_torch(spec, q, k, v, dtype=torch.float32, fp8_probs=True, **params)
-    assert_forward(FP8, out, lse, ref_out, ref_lse, base_out.bfloat16())
+    return (out, lse, ref_out, ref_lse, base_out.bfloat16()), (q, k)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in Path("specs").glob("*.toml")))
@@ -162,17 +172,9 @@ def test_the_fp8_forward_is_exact_for_every_spec(name):
     q, k, v, _ = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
     k, v = k[:, :kv_heads], v[:, :kv_heads]
     per_head = name not in ("causal_bottom_right", "full")
-    (q8, q_descale, q), (k8, k_descale, k), (v8, v_descale, v) = (
-        fp8_quantized(x.float(), kv_heads, per_head) for x in (q, k, v)
-    )
     params = _params(name, batch, heads, q_len, kv_len, seed=1)
-    out, lse = module.attention_fp8(
-        q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, return_lse=True, **params
-    )
-    assert out.dtype == torch.bfloat16
-    ref_out, ref_lse = attention_ref_torch(spec, q, k, v, dtype=torch.float64, **params)
-    base_out, _ = attention_ref_torch(spec, q, k, v, dtype=torch.float32, fp8_probs=True, **params)
-    results = (out, lse, ref_out, ref_lse, base_out.bfloat16())
+    results, (q, k) = _fp8_forward(spec, module, q, k, v, kv_heads, params, per_head)
+    assert results[0].dtype == torch.bfloat16
     if name == "score_cutoff":
         # The cut-off is decided on the FP8 product, whose additions keep about 14 bits (errors
         # near 1e-3 here): a score that close to its bound may fall on either side. Judge the rows
