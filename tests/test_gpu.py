@@ -69,8 +69,8 @@ def test_specs_exact_on_the_gpu(name, dtype):
 
 @pytest.mark.parametrize("name", ["causal", "document", "value_dim"])
 def test_pointer_tiles_on_the_gpu(name, monkeypatch):
-    """The Triton kernels as GPUs without TMA (A100) run them, tiles moved through pointers, compiled
-    for this GPU: exact, with grouped kv heads and odd tails."""
+    """The Triton kernels as GPUs without TMA (A100) run them, with their tiles (POINTER_TILES) moved
+    through pointers, compiled for this GPU: exact, with grouped kv heads and odd tails."""
     spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
     module = harness.load_target(spec, "triton_gpu")
     monkeypatch.setattr(module, "_tma", lambda device: False)
@@ -120,20 +120,27 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
 @pytest.mark.parametrize(
     "name, head_dim", [("causal", None), ("document", None), ("value_dim", None), ("sinks", None), ("full", 256)]
 )
-def test_the_persistent_hopper_forward_walks_many_tiles_a_program(name, head_dim, monkeypatch):
-    """The persistent Hopper forward (bf16 and FP8) launched as if on a GPU of 5 SMs, so that each
-    program walks some 13 tiles: Q's buffer refilled, barrier phases turned, O's tile stored again
-    (at D = 256 through Q's buffer), block tables and sinks read per tile."""
+@pytest.mark.parametrize("dynamic", [0, 1], ids=["static", "dynamic"])
+def test_the_persistent_hopper_forward_walks_many_tiles_a_program(name, head_dim, dynamic, monkeypatch):
+    """The persistent Hopper forward (bf16 and FP8), each program taking every 5th tile or the next
+    from the counter, launched as if on a GPU of 5 SMs so that each program walks some 13 tiles: tiles
+    handed to the consumers, Q's buffer refilled, barrier phases turned, O's tile stored again (at
+    D = 256 through Q's buffer), block tables and sinks read per tile; the dynamic walk in L2
+    sections of 6 (batch, head) pairs, the last one short."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm90 GPUs only")
     spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
     spec = with_config(retarget(spec, head_dim, spec.dtype) if head_dim else spec, "triton_gpu", sm90_forward=1)
     module = harness.load_target(spec, "triton_gpu")
     monkeypatch.setattr(module, "SM90_PERSISTENT", 1)  # (exact either way; only the balance differs)
+    monkeypatch.setattr(module, "SM90_DYNAMIC", dynamic)
     monkeypatch.setattr(module, "_sm_count", lambda device: 5)
     batch, heads, kv_heads, q_len, kv_len = 2, 4, 2, 1000, 1537  # 64 tiles of 128 queries
     q, k, v, _ = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
     k, v = k[:, :kv_heads], v[:, :kv_heads]
+    kv_head_bytes = kv_len * (module.BLOCK_D + module.BLOCK_DV) * k.element_size()
+    monkeypatch.setattr(module, "SM90_L2_BYTES", 3 * kv_head_bytes)  # 3 kv heads: 6 (batch, head) pairs
+    assert module._sm90_section_heads(batch * heads, heads // kv_heads, kv_len, k) == (6 if dynamic else 1)
     params = _params(name, batch, heads, q_len, kv_len, seed=1)
     assert module._runs_sm90(q, module.SM90_FORWARD)
     out, lse = module.attention(q, k, v, return_lse=True, **params)

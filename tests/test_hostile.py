@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from attngen import ir
 from attngen.analysis.tiles import TILE_VARS
 from attngen.backends import TARGETS
+from attngen.backends.triton_gpu import TILE_KEYS
 from attngen.build import PACKAGE_INIT, TEMPLATES, package_sources, spec_label
 from attngen.cli import main
 from attngen.errors import SpecError
@@ -58,9 +59,12 @@ def printer_spellings() -> str:
 
 def target_vocabulary() -> set[str]:
     """Every name the targets add to template text: their module names, the printers' spellings,
-    and the variables the templates bind for the expressions to read."""
+    the variables the templates bind for the expressions to read, and the constants named after
+    each kernel's tiles (DQ_BLOCK_M: its prefix and key, upper-cased; the prefix as a key)."""
     words = {backend.name for backend in TARGETS} | (_identifiers(printer_spellings()) - {"operand"})
-    return words | set(ir.INDEX_VARS) | {"score"} | set(TILE_VARS)
+    tiles = {f"{k.tiles}{key}".upper() for b in TARGETS for k in b.kernels if k.tiles for key in TILE_KEYS}
+    prefixes = {k.tiles for b in TARGETS for k in b.kernels if k.tiles}
+    return words | set(ir.INDEX_VARS) | {"score"} | set(TILE_VARS) | tiles | prefixes
 
 
 # Names that need no spec: whatever the templates spell (their Python keywords, builtins, the

@@ -2,6 +2,8 @@
 run Gluon, so on a CPU they are compiled for sm_90a and their structure read from the PTX;
 tests/test_gpu.py proves them exact on an H200. Their config keys are checked like the others."""
 
+import json
+
 import pytest
 
 from attngen.errors import SpecError
@@ -17,34 +19,38 @@ from attngen.backends.triton_gpu import TRITON_GPU
 from attngen.build import import_generated
 from attngen.check.gpu import compile_kernel
 module = import_generated(Path(sys.argv[1]), "_attngen_sm90_structure")
-ptx = compile_kernel(module, TRITON_GPU.kernel(sys.argv[3]), sys.argv[2], 90).asm["ptx"]
+walk = json.loads(sys.argv[4])  # the forward's PERSISTENT and DYNAMIC, where not the module's
+ptx = compile_kernel(module, TRITON_GPU.kernel(sys.argv[3]), sys.argv[2], 90, **walk).asm["ptx"]
 print(json.dumps({
     "wgmma": ptx.count("wgmma.mma_async"),
     "waits": sorted(set(re.findall(r"wgmma.wait_group.sync.aligned\\s+(\\d+)", ptx))),
     "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global"),
     "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
     "local": ptx.count("ld.local") + ptx.count("st.local"),
+    "atomics": ptx.count("atom.global"),
 }))
 """
 
 
 @pytest.mark.parametrize(
-    ("name", "kernel"),
+    ("name", "kernel", "walk"),
     [
-        *((name, kernel) for kernel in ("fwd_sm90", "bwd_dkdv_sm90") for name in ("causal", "document")),
-        ("full", "fwd_sm90"),  # the persistent forward
+        *((name, kernel, {}) for kernel in ("fwd_sm90", "bwd_dkdv_sm90") for name in ("causal", "document")),
+        ("full", "fwd_sm90", {}),  # the persistent forward, a static share of the tiles per program
+        ("causal", "fwd_sm90", {"PERSISTENT": 1, "DYNAMIC": 1}),  # tiles taken from a counter
     ],
 )  # closed-form tile bounds; block tables
-def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel):
+def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk):
     spec = load_spec(f"specs/{name}.toml")
     module = harness.load_target(spec, "triton_gpu")
-    ptx = harness.compiled_structure(_INSPECT, module.__file__, spec.dtype, kernel)[-1]
+    ptx = harness.compiled_structure(_INSPECT, module.__file__, spec.dtype, kernel, json.dumps(walk))[-1]
     assert ptx["wgmma"] > 0 and ptx["tma_loads"] > 0  # asynchronous MMA fed by TMA
     # One product waited for alone while another is in flight: the softmax of the next kv block
     # under P V (forward), P^T under dP^T (dK/dV).
     assert ptx["waits"] == ["0", "1"]
     assert {24, 240} <= set(ptx["registers"])  # registers moved from the loader warp to the consumers
     assert ptx["local"] == 0  # nothing in local memory at the PTX level
+    assert ptx["atomics"] == bool(walk.get("DYNAMIC"))  # one atomic add a tile taken from the counter
 
 
 def test_the_hopper_forward_persists_where_its_tiles_cost_alike():

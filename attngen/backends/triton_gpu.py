@@ -97,6 +97,21 @@ class TritonConfig:
         """block_m, block_n, num_warps and num_stages of one kernel."""
         return {key: getattr(self, f"{kernel.tiles}{key}") for key in TILE_KEYS}
 
+    def pointer_tiles(self, kernel: Kernel) -> dict[str, int]:
+        """The tiles of a Triton kernel on NVIDIA GPUs without TMA (sm80, sm89). There mma.sync reads
+        its operands from registers and tiles move through pointers, so the tuned (H200) tiles spill:
+        8-320 bytes a thread at D = 128 on sm80. At most 64 rows a program over 8 warps, and dK/dV
+        steps of 16 queries, compile with no spill for every spec in specs/ (`attngen check --target
+        sm80`); they are not timed (no such GPU here)."""
+        tiles = self.tiles(kernel)
+        held = 16 if kernel.tiles == "dkdv_" else 64  # the dK/dV kernel holds block_n keys, steps block_m
+        if kernel.tiles != "decode_":  # (the decode kernel's block_m is the packed query rows, at most 64)
+            tiles["block_m"] = min(tiles["block_m"], held)
+        if kernel.tiles != "dkdv_":
+            tiles["block_n"] = min(tiles["block_n"], 64)
+        tiles["num_warps"] = 8
+        return tiles
+
 
 TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 CONFIG_KEYS = tuple(f.name for f in fields(TritonConfig))
@@ -137,8 +152,10 @@ def _forward_sm90(element: str = "") -> dict:
             ("o_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
             ("LSE", F32_POINTER),
             ("DESCALE", F32_POINTER if element else NOT_PASSED),
+            ("TILE_COUNTER", I32_POINTER),  # the tiles taken, for the dynamic persistent walk
             *PROBLEM_ARGS,
             ("batch_heads", I32),  # batch * num_heads: the grid's tiles are query blocks x this
+            ("section_heads", I32),  # (batch, head) pairs whose K and V share L2 (_sm90_section_heads)
         ),
         "language": "gluon",
         "capabilities": (90,),

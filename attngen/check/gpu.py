@@ -87,8 +87,17 @@ def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> Iterator[F
             raise RuntimeError(f"the GPU check of {path} failed:\n{stderr.read()[-2000:]}")
 
 
-def _tiles(module, kernel: Kernel) -> dict[str, int]:
-    """block_m, block_n, num_warps and num_stages of `kernel`, as the module's constants hold them."""
+def _has_tma(target: GpuTarget) -> bool:
+    """Whether a generated module's Triton kernels move tiles with tensor descriptors on `target`,
+    as its _tma decides: everywhere but NVIDIA GPUs before Hopper."""
+    return target.backend != "cuda" or target.arch >= 90
+
+
+def _tiles(module, kernel: Kernel, tma: bool = True) -> dict[str, int]:
+    """block_m, block_n, num_warps and num_stages of `kernel`, as the module's constants hold them;
+    without TMA (NVIDIA GPUs before Hopper), those the module launches there (POINTER_TILES)."""
+    if not tma and kernel.tiles in module.POINTER_TILES:
+        return dict(zip(TILE_KEYS, module.POINTER_TILES[kernel.tiles], strict=True))
     return {key: getattr(module, f"{kernel.tiles}{key}".upper()) for key in TILE_KEYS}
 
 
@@ -98,7 +107,7 @@ def _signature(module, kernel: Kernel, dtype: str, tma: bool = True):
     has tensor descriptors; without, a "desc" argument is what _descriptor passes there instead (the
     tensor, its batch, head and seq strides, seq and head_dim)."""
     fn = getattr(module, kernel.function)
-    tiles = _tiles(module, kernel)
+    tiles = _tiles(module, kernel, tma)
     constexpr_values = {
         **dict(kernel.constexprs),
         "TMA": int(tma),
@@ -112,7 +121,9 @@ def _signature(module, kernel: Kernel, dtype: str, tma: bool = True):
         "BLOCK_DV": module.BLOCK_DV,
         "HEAD_DIM": module.HEAD_DIM,
         "HEAD_DIM_V": module.HEAD_DIM_V,
-        "PERSISTENT": getattr(module, "SM90_PERSISTENT", 0),  # the Hopper forward's grid, as the module launches it
+        # The Hopper forward's walk of its tiles, as the module launches it.
+        "PERSISTENT": getattr(module, "SM90_PERSISTENT", 0),
+        "DYNAMIC": getattr(module, "SM90_DYNAMIC", 0),
     }
     widths = {"d": module.BLOCK_D, "dv": module.BLOCK_DV, **constexpr_values}
     tensors = getattr(module, "TENSOR_PARAMS", {})
@@ -245,8 +256,8 @@ def compile_kernel(module, kernel: Kernel, dtype: str, target: GpuTarget | int, 
 
     if isinstance(target, int):
         target = GpuTarget(f"sm{target}", "cuda", target, 32, max_shared=0)
-    tiles = _tiles(module, kernel)
-    tma = target.backend != "cuda" or target.arch >= 90  # as the module's _tma decides
+    tma = _has_tma(target)
+    tiles = _tiles(module, kernel, tma)
     fn, signature, declared, attrs = _signature(module, kernel, dtype, tma)
     constexprs = {**declared, **constexprs}
     if kernel.language == "gluon":  # warp-specialized: registers move between partitions
@@ -271,7 +282,7 @@ def check_gpu(module, dtype: str, target: GpuTarget) -> Iterator[Finding]:
         if kernel.capabilities and target.capability not in kernel.capabilities:  # a Hopper kernel elsewhere
             yield Finding(target.name, name, "", ok=True, skipped=True, note=_not_built_note(module, kernel, target))
             continue
-        blocks = " ".join(f"{key}={value}" for key, value in _tiles(module, kernel).items())
+        blocks = " ".join(f"{key}={value}" for key, value in _tiles(module, kernel, _has_tma(target)).items())
         try:
             compiled = compile_kernel(module, kernel, dtype, target)
         except Exception as e:  # noqa: BLE001  (any compiler failure is the finding)

@@ -130,6 +130,16 @@ SM90_DKDV_BLOCK_M = 64
 SM90_DKDV_BLOCK_N = 128
 SM90_DKDV_NUM_WARPS = 4
 SM90_DKDV_NUM_STAGES = 2
+# The Triton kernels' tiles on NVIDIA GPUs without TMA (sm80, sm89), where mma.sync holds its operands
+# in registers and the tiles above spill: at most 64 rows over 8 warps, dK/dV steps of 16 queries (no
+# spill on sm80 for any spec in specs/; not timed). (block_m, block_n, num_warps, num_stages) by prefix.
+POINTER_TILES = {
+    "": (64, 64, 8, 3),  # fwd
+    "short_": (64, 64, 8, 3),  # fwd_short
+    "dq_": (64, 64, 8, 3),  # bwd_dq
+    "dkdv_": (16, 128, 8, 3),  # bwd_dkdv
+    "decode_": (64, 64, 8, 3),  # decode
+}
 # The Hopper kernels' register limit per thread: the first consumer warpgroup (the default
 # partition) gets what the second consumer (240) and the loader warp (24) leave.
 SM90_MAX_REGISTERS = 168
@@ -140,6 +150,12 @@ SM90_TILE_BYTES = 226 * 1024
 # head): a program per tile, heaviest first, balanced by the GPU's block scheduler. (A static share
 # per SM left the busiest SM 57 % over the mean at causal 16k: BENCHMARKS.md, 2026-12-02.)
 SM90_PERSISTENT = 0
+# 1: persistent programs take each next tile from an atomic counter, the heaviest query blocks first
+# across sections of heads whose K and V fit in SM90_L2_BYTES of L2 (FlashAttention-3's dynamic
+# scheduler). Exact, but off: on the H200 its speed changed from one process to the next (causal 1k:
+# 0.65-1.15x a program per tile, full 1k 0.75-1.07x; BENCHMARKS.md, 2026-12-02), not yet understood.
+SM90_DYNAMIC = 0
+SM90_L2_BYTES = 32 * 1024 * 1024
 # GQA and MQA: the dK/dV grid grows to this many programs per SM by splitting query-head groups
 # (see _group_splits; BENCHMARKS.md has the sweep behind it).
 PROGRAMS_PER_SM = 4
@@ -718,7 +734,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
     lse = torch.empty((batch, heads, new_tokens), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    block_m = max(16, min(_next_power_of_2(group * new_tokens), DECODE_BLOCK_M))
+    max_block_m, block_n, warps, stages = _tiles("DECODE_", q.device)
+    block_m = max(16, min(_next_power_of_2(group * new_tokens), max_block_m))
     row_blocks = _cdiv(group * new_tokens, block_m)
     if num_splits is None:
         num_splits = _decode_splits(batch * kv_heads * row_blocks, capacity, q.device)
@@ -730,16 +747,16 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
     table = block_table if paged else cache_seqlens  # (unread without pages)
     if torch.version.hip:
         stages = DECODE_NUM_STAGES_HIP
-    else:
-        stages = DECODE_NUM_STAGES_PAGED if paged else DECODE_NUM_STAGES
+    elif paged:
+        stages = DECODE_NUM_STAGES_PAGED
     _decode_fwd[(num_splits, batch * kv_heads, row_blocks)](
         q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done,
         cache_seqlens, table, heads, new_tokens, capacity, k_cache.shape[0],
         table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
         GROUP=group, PAGE_SIZE=page_size if paged else 0, SPLIT=num_splits > 1,
-        BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
-        num_warps=DECODE_NUM_WARPS, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     return out, lse
 
@@ -841,11 +858,13 @@ def attention_with_kvcache(
 # the next. The registers move to the consumers (setmaxnreg). Same tile bounds, mask and score
 # functions as the kernels above.
 #
-# Persistent where the tiles cost alike (SM90_PERSISTENT): a program per SM walks its share of the
-# tiles (query block, batch, head) in _sm90_tile's order, so the loader fetches the next tile's Q and
-# K/V while the consumers store this one's output, and no program is launched and set up per tile.
-# Elsewhere the grid has a program per tile, in the same order, and each partition runs its tile as
-# straight-line code (inside a loop the FP8 causal forward was 2-4 % slower on the H200).
+# Persistent where the tiles cost alike (SM90_PERSISTENT): a program per SM walks a static share of
+# the tiles (query block, batch, head) in _sm90_tile's order, so the loader fetches the next tile's Q
+# and K/V while the consumers store this one's output, and no program is launched and set up per
+# tile. Elsewhere the grid has a program per tile, in the same order, and each partition runs its
+# tile as straight-line code (inside a loop the FP8 causal forward was 2-4 % slower on the H200).
+# SM90_DYNAMIC (off: see the module's constant) makes the persistent programs take each next tile
+# from an atomic counter instead, the loader handing it to the consumers.
 #
 # FP8 (attention_fp8): q, k, v in float8 e4m3 with descale factors, the output in the spec's dtype.
 # wgmma reads fp8 operands from shared memory only K-major, so V arrives transposed (V^T, its keys
@@ -874,13 +893,19 @@ def _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_
 
 
 @gluon.jit
-def _sm90_tile(t, batch_heads, num_heads, q_len, kv_len, param_slopes, param_slopes_size0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile t of the grid, or of a persistent program's walk: (b, h, bh, its first query, its runs
-    of kv blocks). Head after head, so that the programs at work share one head's K and V in L2, and
-    the heaviest query block of each head first (under a causal mask, the last)."""
+def _sm90_tile(t, batch_heads, section_heads, num_heads, q_len, kv_len, param_slopes, param_slopes_size0,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t of the grid, or of the persistent programs' walk: (b, h, bh, its first query, its runs
+    of kv blocks). The heads come in sections of section_heads (b, h) pairs (_sm90_section_heads:
+    one, but in the counter walk as many as share L2); within a section, query block by query block,
+    heaviest first (under a causal mask, the last), so the programs at work share a few heads' K and
+    V in L2 and the lightest tiles come last, where they fill the gaps."""
     q_blocks = gl.cdiv(q_len, BLOCK_M)
-    bh = t // q_blocks
-    q_block = q_blocks - 1 - t % q_blocks
+    first_bh = t // (section_heads * q_blocks) * section_heads
+    heads_here = gl.minimum(section_heads, batch_heads - first_bh)  # the last section may be short
+    r = t - first_bh * q_blocks
+    bh = first_bh + r % heads_here
+    q_block = q_blocks - 1 - r // heads_here
     b = bh // num_heads
     h = bh % num_heads
     q_first = q_block * BLOCK_M
@@ -893,15 +918,34 @@ def _sm90_tile(t, batch_heads, num_heads, q_len, kv_len, param_slopes, param_slo
 
 
 @gluon.jit
+def _sm90_give_tile(tile_smem, tile_ready, tile_empty, t, given):
+    """The loader hands tile t (-1: no more) to both consumers through a slot of a two-slot ring."""
+    slot = given % 2
+    mbarrier.wait(tile_empty.index(slot), given // 2 & 1 ^ 1)  # a fresh barrier counts as released
+    tile_smem.index(slot).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+    mbarrier.arrive(tile_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _sm90_take_tile(tile_smem, tile_ready, tile_empty, taken):
+    """A consumer's next tile from the loader (-1: no more)."""
+    slot = taken % 2
+    mbarrier.wait(tile_ready.index(slot), taken // 2 & 1)
+    t = gl.max(tile_smem.index(slot).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
+    mbarrier.arrive(tile_empty.index(slot), count=1)  # released by both consumers
+    return t
+
+
+@gluon.jit
 def _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, t, done, it, batch_heads, num_heads, q_len, kv_len, param_slopes, param_slopes_size0,
+                    v_empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len, param_slopes, param_slopes_size0,
                     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
                     FP8: gl.constexpr):
     """Tile t's loads, the program's `done`-th: each consumer's half of its Q tile once its consumer
     is done with the last one, then the K/V tiles of every run in order (`it` counts ring slots used)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
-    b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi = _sm90_tile(t, batch_heads, num_heads, q_len, kv_len, param_slopes, param_slopes_size0,
-                                              BLOCK_M, BLOCK_N)
+    b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi = _sm90_tile(t, batch_heads, section_heads, num_heads, q_len,
+                                              kv_len, param_slopes, param_slopes_size0, BLOCK_M, BLOCK_N)
     for half in gl.static_range(2):
         mbarrier.wait(q_empty.index(half), done & 1 ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
@@ -917,22 +961,39 @@ def _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
 
 @gluon.jit
 def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                 batch_heads, num_heads, q_len, kv_len, param_slopes, param_slopes_size0,
-                 STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
-                 FP8: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The loader warp: the loads of this program's tiles."""
-    if PERSISTENT:
+                 tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads, q_len,
+                 kv_len, param_slopes, param_slopes_size0, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 GROUP: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The loader warp: the loads of this program's tiles. Persistent, it also picks them: the next
+    of a static share (every num_programs-th), or DYNAMIC the next not taken by any program (an
+    atomic counter, for tiles of unequal cost), and hands each to the consumers."""
+    if PERSISTENT and DYNAMIC:
+        tiles = gl.cdiv(q_len, BLOCK_M) * batch_heads
+        it = 0
+        done = 0
+        t = gl.program_id(0)  # the first tile of each program is its own
+        while t < tiles:
+            _sm90_give_tile(tile_smem, tile_ready, tile_empty, t, done)
+            it = _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                 v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads, q_len,
+                                 kv_len, param_slopes, param_slopes_size0, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8)
+            done += 1
+            # Taken once this tile's loads are issued: the consumers are a tile behind, so they do
+            # not wait for the atomic's round trip.
+            t = gl.num_programs(0) + gl.atomic_add(TILE_COUNTER, 1)
+        _sm90_give_tile(tile_smem, tile_ready, tile_empty, -1, done)
+    elif PERSISTENT:
         it = 0
         done = 0
         for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
             it = _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                 v_ready, v_empty, t, done, it, batch_heads, num_heads, q_len,
+                                 v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads, q_len,
                                  kv_len, param_slopes, param_slopes_size0, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8)
             done += 1
     else:
         # (`it` as a tensor: the kv loops carry it)
         _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, gl.program_id(0), 0, gl.to_tensor(0), batch_heads, num_heads, q_len,
+                        v_empty, gl.program_id(0), 0, gl.to_tensor(0), batch_heads, section_heads, num_heads, q_len,
                         kv_len, param_slopes, param_slopes_size0, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8)
 
 
@@ -1051,8 +1112,8 @@ def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empt
 
 @gluon.jit
 def _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                       v_ready, v_empty, t, done, it, batch_heads, num_heads, q_len, kv_len, scale, param_slopes, param_slopes_size0,
-                       HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
+                       scale, param_slopes, param_slopes_size0, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        GROUP: gl.constexpr, FP8: gl.constexpr, O_IN_Q: gl.constexpr):
     """Query rows [HALF * ROWS, (HALF + 1) * ROWS) of tile t, the program's `done`-th; returns `it`."""
     ROWS: gl.constexpr = q_smem.shape[3]
@@ -1061,8 +1122,8 @@ def _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_r
     s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_N, FP8)
     o_layout: gl.constexpr = _sm90_acc_layout(BLOCK_DV, FP8)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi = _sm90_tile(t, batch_heads, num_heads, q_len, kv_len, param_slopes, param_slopes_size0,
-                                              BLOCK_M, BLOCK_N)
+    b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi = _sm90_tile(t, batch_heads, section_heads, num_heads, q_len,
+                                              kv_len, param_slopes, param_slopes_size0, BLOCK_M, BLOCK_N)
     tile_scale = scale
     if FP8:  # DESCALE: [batch, kv_heads, 2] of (q's descale * k's, v's descale)
         descale = DESCALE + (b * (num_heads // GROUP) + h // GROUP) * 2
@@ -1113,23 +1174,37 @@ def _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_r
 
 @gluon.jit
 def _sm90_consumer(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                   v_empty, batch_heads, num_heads, q_len, kv_len, scale, param_slopes, param_slopes_size0,
-                   HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   GROUP: gl.constexpr, FP8: gl.constexpr, O_IN_Q: gl.constexpr, PERSISTENT: gl.constexpr):
+                   v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                   scale, param_slopes, param_slopes_size0, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr, O_IN_Q: gl.constexpr,
+                   PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     """A consumer warpgroup: its half of the query rows of each of this program's tiles."""
     gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
-    if PERSISTENT:
+    if PERSISTENT and DYNAMIC:
+        it = 0
+        done = 0
+        t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
+        while t >= 0:
+            it = _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                    k_empty, v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads,
+                                    q_len, kv_len, scale, param_slopes, param_slopes_size0, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP,
+                                    FP8, O_IN_Q)
+            done += 1
+            t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
+    elif PERSISTENT:
         it = 0
         done = 0
         for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
             it = _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                    k_empty, v_ready, v_empty, t, done, it, batch_heads, num_heads, q_len, kv_len,
-                                    scale, param_slopes, param_slopes_size0, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q)
+                                    k_empty, v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads,
+                                    q_len, kv_len, scale, param_slopes, param_slopes_size0, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP,
+                                    FP8, O_IN_Q)
             done += 1
     else:  # (`it` as a tensor: the kv loops carry it)
         _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                           v_ready, v_empty, gl.program_id(0), 0, gl.to_tensor(0), batch_heads, num_heads, q_len, kv_len,
-                           scale, param_slopes, param_slopes_size0, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q)
+                           v_ready, v_empty, gl.program_id(0), 0, gl.to_tensor(0), batch_heads, section_heads,
+                           num_heads, q_len, kv_len, scale, param_slopes, param_slopes_size0, HALF, STAGES, BLOCK_M, BLOCK_N,
+                           GROUP, FP8, O_IN_Q)
     tma.store_wait(0)
 
 
@@ -1141,10 +1216,10 @@ def _sm90_o_in_q(q_bytes, o_bytes, ring_bytes):
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len"])
 def _attention_fwd_sm90(
-    q_desc, k_desc, v_desc, o_desc, LSE, DESCALE,
-    num_heads, q_len, kv_len, scale, batch_heads, param_slopes, param_slopes_size0,
+    q_desc, k_desc, v_desc, o_desc, LSE, DESCALE, TILE_COUNTER,
+    num_heads, q_len, kv_len, scale, batch_heads, section_heads, param_slopes, param_slopes_size0,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    STAGES: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
+    STAGES: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     ROWS: gl.constexpr = BLOCK_M // 2  # per consumer warpgroup
     Q_BYTES: gl.constexpr = 2 * q_desc.block_type.nbytes
@@ -1168,9 +1243,15 @@ def _attention_fwd_sm90(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # The persistent programs' tiles, from the loader to the consumers: two slots of one index each.
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for half in gl.static_range(2):
         mbarrier.init(q_ready.index(half), count=1)
         mbarrier.init(q_empty.index(half), count=1)  # released by its consumer
+        mbarrier.init(tile_ready.index(half), count=1)
+        mbarrier.init(tile_empty.index(half), count=2)  # released by both consumers
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
@@ -1182,20 +1263,22 @@ def _attention_fwd_sm90(
             (
                 _sm90_consumer,
                 (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                 v_empty, batch_heads, num_heads, q_len, kv_len, scale, param_slopes, param_slopes_size0, 0, STAGES, BLOCK_M,
-                 BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT),
+                 v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                 scale, param_slopes, param_slopes_size0, 0, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT,
+                 DYNAMIC),
             ),
             (
                 _sm90_consumer,
                 (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                 v_empty, batch_heads, num_heads, q_len, kv_len, scale, param_slopes, param_slopes_size0, 1, STAGES, BLOCK_M,
-                 BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT),
+                 v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                 scale, param_slopes, param_slopes_size0, 1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT,
+                 DYNAMIC),
             ),
             (
                 _sm90_loader,
                 (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                 batch_heads, num_heads, q_len, kv_len, param_slopes, param_slopes_size0, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8,
-                 PERSISTENT),
+                 tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads, q_len,
+                 kv_len, param_slopes, param_slopes_size0, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, PERSISTENT, DYNAMIC),
             ),
         ],
         [4, 1],  # warps: the second consumer, the loader
@@ -1442,6 +1525,15 @@ def _descriptor(t, rows, width=BLOCK_D):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width])
 
 
+def _tiles(prefix, device):
+    """(block_m, block_n, num_warps, num_stages) of the kernel whose constants start with `prefix`
+    ("", "SHORT_", "DQ_", "DKDV_", "DECODE_", "SM90_DKDV_"), on `device`: POINTER_TILES' where there
+    is no TMA."""
+    if not _tma(device):
+        return POINTER_TILES[prefix.lower()]
+    return tuple(globals()[f"{prefix}{key}"] for key in ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES"))
+
+
 def _tma(device):
     """Whether the Triton kernels move tiles with tensor descriptors: yes on NVIDIA GPUs from Hopper
     on (TMA), on AMD GPUs (pointer tiles, pipelined through LDS, would pass its 64 KiB with the
@@ -1492,10 +1584,7 @@ def _forward(q, k, v, scale, params, descale=None):
     if out.numel() > 0 and _runs_sm90(q, SM90_FORWARD):
         _forward_sm90(q, k, v, out, lse, scale, params)
     elif out.numel() > 0:
-        if kv_len <= SHORT_KV_LEN:
-            block_m, block_n, warps, stages = SHORT_BLOCK_M, SHORT_BLOCK_N, SHORT_NUM_WARPS, SHORT_NUM_STAGES
-        else:
-            block_m, block_n, warps, stages = BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+        block_m, block_n, warps, stages = _tiles("SHORT_" if kv_len <= SHORT_KV_LEN else "", q.device)
         grid = (_cdiv(q_len, block_m), batch * heads)
         _attention_fwd[grid](
             _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV), _descriptor(out, block_m, BLOCK_DV), lse,
@@ -1520,12 +1609,27 @@ def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
     rows = block_m // 2  # per consumer warpgroup
     tiles = _cdiv(q_len, block_m) * batch * heads
     programs = min(tiles, _sm_count(q.device)) if SM90_PERSISTENT else tiles  # one fits an SM
+    # Each program's first tile is its own; the counter hands out the rest (zeroed per call: launches
+    # on other streams must not share it).
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if SM90_PERSISTENT and SM90_DYNAMIC else None
     _attention_fwd_sm90[(programs,)](
         _nvmma_descriptor(q, rows), _nvmma_descriptor(k, block_n), v_desc, _nvmma_descriptor(out, rows, BLOCK_DV), lse,
-        descale, heads, q_len, kv_len, scale, batch * heads, *params, GROUP=group, BLOCK_M=block_m,
+        descale, counter, heads, q_len, kv_len, scale, batch * heads,
+        _sm90_section_heads(batch * heads, group, kv_len, k), *params, GROUP=group, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, FP8=descale is not None,
-        PERSISTENT=SM90_PERSISTENT, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
+        PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
     )
+
+
+def _sm90_section_heads(batch_heads, group, kv_len, k):
+    """How many (batch, head) pairs the Hopper forward walks together (_sm90_tile): one, head after
+    head, but in the counter walk as many as share SM90_L2_BYTES of K and V (each kv head serves
+    `group` of them), at least one. (Tiles of equal cost gain nothing from sections and lose L2 to
+    them: 64-head sections were 9 % slower at full 1k.)"""
+    if not SM90_DYNAMIC:
+        return 1
+    kv_head_bytes = kv_len * (BLOCK_D + BLOCK_DV) * k.element_size()
+    return max(1, min(batch_heads, SM90_L2_BYTES // max(kv_head_bytes, 1) * group))
 
 
 def _fp8_transposed(v):
@@ -1567,22 +1671,23 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     params = _kernel_params(params)
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
+    dq_block_m, dq_block_n, dq_warps, dq_stages = _tiles("DQ_", q.device)
     delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    grad_buffers = _grad_buffers(batch, heads, q_len, kv_len, q.device, params)
+    grad_buffers = _grad_buffers(batch, heads, q_len, kv_len, dq_block_m, q.device, params)
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_(), *_trained_grads(lse, delta, params, grad_buffers)
-    grid = (_cdiv(q_len, DQ_BLOCK_M), batch * heads)
+    grid = (_cdiv(q_len, dq_block_m), batch * heads)
     _attention_bwd_dq[grid](
-        _descriptor(q, DQ_BLOCK_M), _descriptor(k, DQ_BLOCK_N), _descriptor(v, DQ_BLOCK_N, BLOCK_DV),
-        _descriptor(out, DQ_BLOCK_M, BLOCK_DV), _descriptor(dout, DQ_BLOCK_M, BLOCK_DV), lse, dlse.float().contiguous(), delta,
-        _descriptor(dq, DQ_BLOCK_M),
+        _descriptor(q, dq_block_m), _descriptor(k, dq_block_n), _descriptor(v, dq_block_n, BLOCK_DV),
+        _descriptor(out, dq_block_m, BLOCK_DV), _descriptor(dout, dq_block_m, BLOCK_DV), lse, dlse.float().contiguous(), delta,
+        _descriptor(dq, dq_block_m),
         heads, q_len, kv_len, scale, *params, *grad_buffers, GROUP=group,
-        BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
-        num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
+        BLOCK_M=dq_block_m, BLOCK_N=dq_block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
+        num_warps=dq_warps, num_stages=dq_stages,
     )
     hopper = _runs_sm90(q, SM90_BACKWARD)
-    block_m, block_n = (SM90_DKDV_BLOCK_M, SM90_DKDV_BLOCK_N) if hopper else (DKDV_BLOCK_M, DKDV_BLOCK_N)
+    block_m, block_n, warps, stages = _tiles("SM90_DKDV_" if hopper else "DKDV_", q.device)
     kv_heads, kv_blocks = heads // group, _cdiv(kv_len, block_n)
     splits = _group_splits(group, batch * kv_heads * kv_blocks, q.device)
     if splits > 1:  # each part of a group writes float32 partial sums, added up below
@@ -1596,8 +1701,8 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
             _nvmma_descriptor(q, block_m), _nvmma_descriptor(k, block_n // 2), _nvmma_descriptor(v, block_n // 2, BLOCK_DV),
             _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts,
             heads, q_len, kv_len, scale, *params, GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, STAGES=SM90_DKDV_NUM_STAGES,
-            num_warps=SM90_DKDV_NUM_WARPS, maxnreg=SM90_MAX_REGISTERS,
+            BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, STAGES=stages,
+            num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
         )
         if splits > 1:
             dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
@@ -1609,7 +1714,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         _descriptor(dk_parts, block_n), _descriptor(dv_parts, block_n, BLOCK_DV),
         heads, q_len, kv_len, scale, *params, GROUP=group, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
-        num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
+        num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
@@ -1617,13 +1722,13 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers)
 
 
-def _grad_buffers(batch, heads, q_len, kv_len, device, params):
+def _grad_buffers(batch, heads, q_len, kv_len, dq_block_m, device, params):
     """Where the dQ kernel writes each trained read's share, zeroed (tiles the mask hides write
     nothing): a positional read's per pair, [batch, heads, q_len, kv_len];
     another's per program, [q blocks, batch * heads]; those with the flat index of the element
     (a relative read's entry 0) each (batch, head) reads. params: _kernel_params' (the data, then
     each axis' size)."""
-    programs = _cdiv(q_len, DQ_BLOCK_M)
+    programs = _cdiv(q_len, dq_block_m)
     return [
         torch.zeros((programs, batch * heads), device=device, dtype=torch.float32),  # slopes[h]
         torch.zeros((batch * heads,), device=device, dtype=torch.int64),
