@@ -8,7 +8,8 @@ random order; also 128-token pages, FlexAttention's). Peers, same inputs: torch 
 FlashAttention-2 and cuDNN backends and compiled FlexAttention, each over the contiguous cache with
 `enable_gqa` and no mask (for T > 1 the causal mask among the T new tokens is omitted there: T << L,
 the same work), and FlexAttention's paged attention (torch's PagedAttention: 128-token pages, one
-per kv block of its block mask, allocated in random order). Each row is first checked
+per kv block of its block mask, allocated in random order). Ours reuse one workspace
+(`kvcache_workspace`), as a serving engine keeps one per stream. Each row is first checked
 against a float64 reference by attngen.exactness's rule; then timed with triton.testing.do_bench
 (median). GB/s count the K and V bytes read once (B * H_kv * L * 2 * D * 2 bytes) per call; % peak
 is against a device-to-device copy measured in the same run. Each call is also replayed from a
@@ -161,12 +162,14 @@ def _ratio(impls, name, peer, key="gb_s"):
 def impls(module, flex, q, k, v, lens, pages, flex_paged):
     """Each implementation's call on the same inputs."""
 
+    workspace = module.kvcache_workspace(q.device)  # one for every call: they run one at a time
+
     def paged_call(size):
         k_pages, v_pages, table = pages[size]
-        return lambda: module.attention_with_kvcache(q, k_pages, v_pages, lens, block_table=table)
+        return lambda: module.attention_with_kvcache(q, k_pages, v_pages, lens, block_table=table, workspace=workspace)
 
     return {
-        "ours": lambda: module.attention_with_kvcache(q, k, v, lens),
+        "ours": lambda: module.attention_with_kvcache(q, k, v, lens, workspace=workspace),
         "ours paged 16": paged_call(16),
         "ours paged 128": paged_call(FLEX_PAGE),
         "ours paged 256": paged_call(256),

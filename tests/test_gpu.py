@@ -237,7 +237,8 @@ def test_decoding_from_a_paged_cache_on_the_gpu():
 
 def test_the_last_split_merges_exactly_and_repeatably_on_the_gpu():
     """Split-KV: the last program of a tile to finish merges every split's partial output. Whichever
-    it is, the result is the same bits (20 calls each, many splits finishing together) and exact."""
+    it is, the result is the same bits (20 calls each, many splits finishing together; every other
+    call reuses one workspace, which the last splits zero again) and exact."""
     spec = load_spec("specs/causal.toml")
     module = harness.load_target(spec, "triton_gpu")
     batch, heads, kv_heads, length = 3, 16, 4, 4096
@@ -250,7 +251,14 @@ def test_the_last_split_merges_exactly_and_repeatably_on_the_gpu():
     lens = torch.tensor([4096, 3000, 130], dtype=torch.int32, device="cuda")  # the last: most splits empty
     causal = load_spec("specs/causal.toml")
     for num_splits in (2, 7, 32, 128):
-        runs = [module.attention_with_kvcache(q, k, v, lens, num_splits=num_splits, return_lse=True) for _ in range(20)]
+        workspace = module.kvcache_workspace("cuda")
+        runs = [
+            module.attention_with_kvcache(
+                q, k, v, lens, num_splits=num_splits, return_lse=True, workspace=workspace if run % 2 else None
+            )
+            for run in range(20)
+        ]
+        assert not workspace.any()
         for out, lse in runs[1:]:
             assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
         out, lse = runs[0]

@@ -198,6 +198,45 @@ def test_a_split_of_no_keys_merges_to_nothing():
     check("sliding_window", problem)
 
 
+@pytest.mark.parametrize("spec_name", ["sliding_window", "sinks"])
+@pytest.mark.parametrize("heads, new_tokens, chunk, walk", [(4, 2, 2, (2, 1)), (2, 1, 8, (2, 4))])
+def test_the_last_split_merges_in_chunks(spec_name, heads, new_tokens, chunk, walk, monkeypatch):
+    """The last split merges DECODE_MERGE_CHUNK partial outputs at a time, rows first, then splits: at
+    two a chunk, eight rows take four chunks of rows, each over five splits one by one; at eight, two
+    rows take five splits four at a time (the last chunk short). Splits past the window see no key;
+    a sink joins each row once."""
+    spec = retarget(load_spec(f"specs/{spec_name}.toml"), 32, "float32")
+    module = harness.load_target(spec, "triton_gpu")
+    monkeypatch.setattr(module, "DECODE_MERGE_CHUNK", chunk * module.BLOCK_DV)
+    assert module._merge_chunk(heads * new_tokens, 5) == walk
+    problem = {
+        "dtype": "float32", "batch": 2, "kv_heads": 1, "heads": heads, "new_tokens": new_tokens, "capacity": 192,
+        "page_size": None, "seqlens": [192, 90], "num_splits": 5, "seed": 2,
+    }  # fmt: skip
+    check(spec_name, problem)
+
+
+def test_a_reused_workspace_gives_the_same_bits_and_is_left_zero():
+    """Given a workspace, a call's last splits zero their counters again: the next call (a CUDA graph's
+    replay) finds them ready, with no memset. A workspace refused leaves the cache unappended."""
+    spec = retarget(load_spec("specs/sliding_window.toml"), 32, "float32")
+    module = harness.load_target(spec, "triton_gpu")
+    q, k_cache, v_cache = torch.randn(2, 4, 3, 32), torch.randn(2, 2, 96, 32), torch.randn(2, 2, 96, 32)
+    lens = torch.tensor([96, 50], dtype=torch.int32)
+    fresh = module.attention_with_kvcache(q, k_cache, v_cache, lens, window=40, num_splits=3)
+    workspace = module.kvcache_workspace("cpu", tiles=8)
+    for _ in range(2):
+        reused = module.attention_with_kvcache(q, k_cache, v_cache, lens, window=40, num_splits=3, workspace=workspace)
+        assert torch.equal(reused, fresh) and not workspace.any()
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="the workspace counts 1"):
+        module.attention_with_kvcache(
+            q, k_cache, v_cache, lens - 3, k=torch.randn(2, 2, 3, 32), v=torch.randn(2, 2, 3, 32),
+            window=40, workspace=module.kvcache_workspace("cpu", tiles=1),
+        )
+    assert torch.equal(k_cache, before)
+
+
 def test_split_grids_fill_the_gpu_once_or_many_times(monkeypatch):
     """The split rule keeps decode grids at most DECODE_PROGRAMS_PER_SM programs per SM or at least
     five times as many, away from the grids of twice as many that read 8-16 % slower on the H200
@@ -245,6 +284,8 @@ def test_bad_inputs_are_refused_before_launch():
             "one sequence per batch",
         ),
         ({"num_splits": 0}, ValueError, "num_splits must be a positive int"),
+        ({"workspace": torch.zeros(4)}, TypeError, "workspace must be a 1-D int32 torch tensor"),
+        ({"workspace": torch.zeros(3, dtype=torch.int32)}, ValueError, "this call has 4 tiles; the workspace counts 3"),
     ]
     for change, kind, message in cases:
         args = {"q": q, "k_cache": cache, "v_cache": cache, "cache_seqlens": lens} | change
@@ -387,7 +428,7 @@ decode = TRITON_GPU.kernel("decode")
 # One new token, four query heads per kv head (a 16-row tile), split keys: a decode step's launch.
 contiguous, paged = module.DECODE_NUM_STAGES, module.DECODE_NUM_STAGES_PAGED
 for page_size, stages in ((0, contiguous), (16, contiguous), (16, paged)):
-    launch = dict(GROUP=4, BLOCK_M=16, SPLIT=1, PAGE_SIZE=page_size)
+    launch = dict(GROUP=4, BLOCK_M=16, SPLIT=1, PAGE_SIZE=page_size, MERGE_M=4, MERGE_SPLITS=16)
     ir = compile_kernel(module, decode, "bfloat16", 90, num_stages=stages, **launch).asm["ttgir"]
     print(json.dumps(sorted(set(re.findall(r"memdesc<(\\d+)" + tile, ir)))))
 """

@@ -252,7 +252,7 @@ KERNELS = (
         ),
         # One query head per kv head, a contiguous cache (PAGE_SIZE 0), no split: each of those
         # (and each page size) compiles a kernel of its own.
-        constexprs=(("GROUP", 1), ("PAGE_SIZE", 0), ("SPLIT", 0)),
+        constexprs=(("GROUP", 1), ("PAGE_SIZE", 0), ("SPLIT", 0), ("MERGE_M", 1), ("MERGE_SPLITS", 1)),
     ),
     Kernel(
         "fwd_sm90",

@@ -539,8 +539,8 @@ def _decode_fwd(
     Q, K, V, O, LSE, O_PARTS, LSE_PARTS, SPLITS_DONE, CACHE_SEQLENS, BLOCK_TABLE,
     num_heads, new_tokens, capacity, num_pages, table_stride, k_stride_page, k_stride_head,
     k_stride_row, v_stride_page, v_stride_head, v_stride_row, scale, param_chunk,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, MERGE_M: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
     """The new tokens of one sequence and every query head of one kv head (rows: head-major), against
@@ -614,7 +614,6 @@ def _decode_fwd(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = _lse(m_i, l_i)
     store = row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
-    last = True
     if SPLIT:
         rows_per_split = tl.num_programs(1) * GROUP * new_tokens  # partials: [splits, B * H * new_tokens]
         parts = split * rows_per_split + out_rows
@@ -625,47 +624,70 @@ def _decode_fwd(
         # barrier puts every thread's stores before the release of the (one-thread) atomic.
         tl.debug_barrier()
         tile = tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
-        last = tl.atomic_add(SPLITS_DONE + tile, 1, sem="acq_rel", scope="gpu") == num_splits - 1
-        if last:
-            out, lse = _merge_tile(
-                O_PARTS, LSE_PARTS, out_rows, rows_per_split, num_splits, row_in,
-                BLOCK_M=BLOCK_M, BLOCK_DV=BLOCK_DV, HEAD_DIM_V=HEAD_DIM_V,
+        if tl.atomic_add(SPLITS_DONE + tile, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(SPLITS_DONE + tile, 0)  # zero again for the next launch (a reused workspace)
+            first_row = (b * num_heads + h_kv * GROUP) * new_tokens + row_first
+            _merge_splits(
+                O, LSE, O_PARTS, LSE_PARTS, first_row.to(tl.int64), tl.minimum(BLOCK_M, rows - row_first),
+                rows_per_split, num_splits,
+                MERGE_M=MERGE_M, MERGE_SPLITS=MERGE_SPLITS, BLOCK_DV=BLOCK_DV, HEAD_DIM_V=HEAD_DIM_V,
             )
-    if last:
+    else:
         tl.store(O + out_rows[:, None] * HEAD_DIM_V + offs_dv[None, :], out.to(O.dtype.element_ty), mask=store)
         tl.store(LSE + out_rows, lse, mask=row_in)
 
 
 @triton.jit
-def _merge_tile(
-    O_PARTS, LSE_PARTS, out_rows, rows_per_split, num_splits, row_in,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+def _merge_splits(
+    O, LSE, O_PARTS, LSE_PARTS, first_row, tile_rows, rows_per_split, num_splits,
+    MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
-    """The output and LSE of a tile's rows over all the keys, from each split's (as merge_partials):
-    the splits' outputs weighted by exp(lse_split - lse); a row no split saw gives 0 with LSE -inf.
-    Loads bypass L1 (.cg): other SMs wrote the partials."""
-    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        parts = s * rows_per_split + out_rows
-        top = tl.maximum(top, tl.load(LSE_PARTS + parts, mask=row_in, other=float("-inf"), cache_modifier=".cg"))
-    shift = tl.where(top == float("-inf"), 0.0, top)
+    """Store the output and LSE of a tile's rows over all the keys, from each split's (as
+    merge_partials): the splits' outputs weighted by exp(lse_split - lse); a row no split saw gives 0
+    with LSE -inf. MERGE_M rows at a time: their largest LSE over the splits first (16 splits a
+    load), then the weighted sum, MERGE_SPLITS splits unrolled so that their loads are in flight
+    together (a 4-row tile merged one split at a time waited for L2 once a split). Loads bypass L1
+    (.cg): other SMs wrote the partials."""
+    offs_m = tl.arange(0, MERGE_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for s in range(num_splits):
-        parts = s * rows_per_split + out_rows
-        lse_part = tl.load(LSE_PARTS + parts, mask=row_in, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp(lse_part - shift)
-        part = tl.load(
-            O_PARTS + parts[:, None] * HEAD_DIM_V + offs_dv[None, :],
-            mask=row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        total += weight
-        acc += part * weight[:, None]
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    return out, tl.where(total == 0.0, float("-inf"), shift + tl.log(total))
+    for m in tl.range(0, tile_rows, MERGE_M, num_stages=1):
+        row_in = m + offs_m < tile_rows
+        rows = first_row + m + offs_m  # rows of [B * H * new_tokens]
+        top = tl.full([MERGE_M], float("-inf"), dtype=tl.float32)
+        for first_split in tl.range(0, num_splits, 16, num_stages=1):
+            for j in tl.static_range(16):
+                found = row_in & (first_split + j < num_splits)
+                lse_part = tl.load(
+                    LSE_PARTS + (first_split + j) * rows_per_split + rows, mask=found, other=float("-inf"), cache_modifier=".cg"
+                )
+                top = tl.maximum(top, lse_part)
+        shift = tl.where(top == float("-inf"), 0.0, top)  # a row no split saw
+        if MERGE_SPLITS > 1:
+            # As a reduction of the outputs' tile, in the layout of its rows: the unrolled splits'
+            # weights need no layout conversion (through shared memory, between their loads). (With
+            # one split a step, ptxas then waits for the LSE before loading the outputs: not there.)
+            shift = tl.max(tl.broadcast_to(shift[:, None], (MERGE_M, BLOCK_DV)), 1)
+        total = tl.zeros([MERGE_M], dtype=tl.float32)
+        acc = tl.zeros([MERGE_M, BLOCK_DV], dtype=tl.float32)
+        for first_split in tl.range(0, num_splits, MERGE_SPLITS, num_stages=1):
+            for j in tl.static_range(MERGE_SPLITS):
+                parts = (first_split + j) * rows_per_split + rows
+                found = row_in & (first_split + j < num_splits)
+                lse_part = tl.load(LSE_PARTS + parts, mask=found, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(
+                    O_PARTS + parts[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                    mask=found[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                weight = tl.exp(lse_part - shift)
+                total += weight
+                acc += part * weight[:, None]
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        lse = tl.where(total == 0.0, float("-inf"), shift + tl.log(total))
+        store = row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+        tl.store(O + rows[:, None] * HEAD_DIM_V + offs_dv[None, :], out.to(O.dtype.element_ty), mask=store)
+        tl.store(LSE + rows, lse, mask=row_in)
 
 
 # AMD Instinct GPUs give a block 64 KiB of LDS: two stages of the K and V tiles, not three.
@@ -674,11 +696,13 @@ DECODE_NUM_STAGES_HIP = min(DECODE_NUM_STAGES, 2)
 # keeps K and V one buffer deep (up to DECODE_NUM_STAGES + 1); two more stages give them the two
 # buffers the contiguous cache has (H200, 16-token pages: 0.86x -> 0.97x its bandwidth).
 DECODE_NUM_STAGES_PAGED = DECODE_NUM_STAGES + 2
+# The last split's merge loads this many partial outputs at once (_merge_chunk).
+DECODE_MERGE_CHUNK = 8192
 # Split-KV: the grid the splits fill, in programs per SM (or about eight times as many: _decode_splits).
 DECODE_PROGRAMS_PER_SM = 2
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_splits):
+def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_splits, workspace):
     """(out, lse) of the new tokens q [B, H, T, D] against a KV cache (see attention_with_kvcache)."""
     batch, heads, new_tokens, _ = q.shape
     kv_heads = k_cache.shape[1]
@@ -691,16 +715,16 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
     lse = torch.empty((batch, heads, new_tokens), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    max_block_m, block_n, warps, stages = _tiles("DECODE_", q.device)
-    block_m = max(16, min(_next_power_of_2(group * new_tokens), max_block_m))
-    row_blocks = _cdiv(group * new_tokens, block_m)
+    _, block_n, warps, stages = _tiles("DECODE_", q.device)
+    block_m, row_blocks = _packed_rows(q, k_cache)
     if num_splits is None:
         num_splits = _decode_splits(batch * kv_heads * row_blocks, capacity, q.device)
+    merge_m, merge_splits = _merge_chunk(min(block_m, group * new_tokens), num_splits)
     parts = lse_parts = splits_done = lse  # (unread without splits)
     if num_splits > 1:
         parts = torch.empty((num_splits, batch, heads, new_tokens, HEAD_DIM_V), device=q.device, dtype=torch.float32)
         lse_parts = torch.empty((num_splits, batch, heads, new_tokens), device=q.device, dtype=torch.float32)
-        splits_done = torch.zeros(batch * kv_heads * row_blocks, device=q.device, dtype=torch.int32)
+        splits_done = torch.zeros(batch * kv_heads * row_blocks, device=q.device, dtype=torch.int32) if workspace is None else workspace
     table = block_table if paged else cache_seqlens  # (unread without pages)
     if torch.version.hip:
         stages = DECODE_NUM_STAGES_HIP
@@ -711,11 +735,38 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
         cache_seqlens, table, heads, new_tokens, capacity, k_cache.shape[0],
         table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
         GROUP=group, PAGE_SIZE=page_size if paged else 0, SPLIT=num_splits > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        MERGE_M=merge_m, MERGE_SPLITS=merge_splits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
         num_warps=warps, num_stages=stages,
     )
     return out, lse
+
+
+def kvcache_workspace(device, tiles=2**16):
+    """A workspace for attention_with_kvcache(..., workspace=): the split counters of up to `tiles`
+    tiles (batch x kv_heads x row blocks of up to DECODE_BLOCK_M packed query rows), zero. Each
+    launch's last splits zero theirs again, so a call that is given one launches no memset (1-3 us of
+    a CUDA graph's replay on the H200). One workspace per stream: calls that may run at the same time
+    need their own (FlashInfer's workspace rule)."""
+    return torch.zeros(tiles, device=device, dtype=torch.int32)
+
+
+def _packed_rows(q, k_cache):
+    """(block_m, row_blocks): the rows of each kv head's tiles (its query heads x the new tokens,
+    packed) and how many tiles they take."""
+    rows = q.shape[1] // k_cache.shape[1] * q.shape[2]
+    block_m = max(16, min(_next_power_of_2(rows), _tiles("DECODE_", q.device)[0]))
+    return block_m, _cdiv(rows, block_m)
+
+
+def _check_workspace(workspace, q, k_cache):
+    tiles = q.shape[0] * k_cache.shape[1] * _packed_rows(q, k_cache)[1]
+    if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.dim() != 1:
+        raise TypeError(f"workspace must be a 1-D int32 torch tensor (kvcache_workspace), got {getattr(workspace, 'dtype', type(workspace).__name__)}")
+    if workspace.device != q.device or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be contiguous and on {q.device}, got one on {workspace.device}")
+    if workspace.numel() < tiles:
+        raise ValueError(f"this call has {tiles} tiles; the workspace counts {workspace.numel()} (kvcache_workspace(device, tiles={tiles}))")
 
 
 def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
@@ -760,8 +811,17 @@ def _decode_splits(tiles, capacity, device):
     return max(1, min(splits, _cdiv(capacity, 2 * DECODE_BLOCK_N)))
 
 
+def _merge_chunk(tile_rows, num_splits):
+    """(rows, splits) of a chunk of the last split's merge: DECODE_MERGE_CHUNK partial outputs (64
+    floats a thread over 4 warps), the tile's rows up to that and splits for the rest. (Splits
+    first measured 1.02-1.08x at one token, 4 rows, but 0.72x at 16 tokens, 64 rows, on the H200.)"""
+    rows = min(_next_power_of_2(tile_rows), max(1, DECODE_MERGE_CHUNK // BLOCK_DV))
+    return rows, max(1, min(_next_power_of_2(num_splits), DECODE_MERGE_CHUNK // (rows * BLOCK_DV)))
+
+
 def attention_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, scale=None, return_lse=False, num_splits=None, **params
+    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, scale=None, return_lse=False, num_splits=None,
+    workspace=None, **params
 ):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `chunked`; inference only (no autograd).
@@ -787,12 +847,16 @@ def attention_with_kvcache(
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
         num_splits: how many programs share the keys of one sequence (default: enough to fill the GPU).
+        workspace: kvcache_workspace(device)'s counters, reused across calls (as serving engines keep
+            one per stream): no memset a call. Default: fresh counters each call.
         chunk (int): runtime parameter of the spec.
 
     Returns:
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+    if workspace is not None:
+        _check_workspace(workspace, q, k_cache)
     if k is not None or v is not None:
         cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v)
     scalars, tensors = _check_params(params)
@@ -801,7 +865,10 @@ def attention_with_kvcache(
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     with torch.no_grad():
-        out, lse = _decode(q, k_cache, v_cache, cache_seqlens, block_table, float(scale), [*scalars.values(), *tensors.values()], num_splits)
+        out, lse = _decode(
+            q, k_cache, v_cache, cache_seqlens, block_table, float(scale), [*scalars.values(), *tensors.values()],
+            num_splits, workspace,
+        )
     return (out, lse) if return_lse else out
 
 
