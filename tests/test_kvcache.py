@@ -198,6 +198,17 @@ def test_a_split_of_no_keys_merges_to_nothing():
     check("sliding_window", problem)
 
 
+@pytest.mark.parametrize("page_size", [16, 24, 128])
+def test_pages_smaller_than_a_block_larger_or_neither(page_size):
+    """The three ways a kv block finds its keys' pages: whole pages in a block (one lookup a page),
+    a page holding whole blocks (one a block), and any other size (one a key)."""
+    problem = {
+        "dtype": "float32", "batch": 2, "kv_heads": 2, "heads": 4, "new_tokens": 3, "capacity": 384,
+        "page_size": page_size, "seqlens": [384, 101], "num_splits": 2, "seed": 4,
+    }  # fmt: skip
+    check("causal", problem)
+
+
 @pytest.mark.parametrize("spec_name", ["sliding_window", "sinks"])
 @pytest.mark.parametrize("heads, new_tokens, chunk, walk", [(4, 2, 2, (2, 1)), (2, 1, 8, (2, 4))])
 def test_the_last_split_merges_in_chunks(spec_name, heads, new_tokens, chunk, walk, monkeypatch):

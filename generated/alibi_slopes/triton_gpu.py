@@ -552,7 +552,15 @@ def _decode_kv_blocks(
             page = tl.load(BLOCK_TABLE + b * table_stride + block * BLOCK_N // PAGE_SIZE)
             page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
             row = block * BLOCK_N % PAGE_SIZE + offs_n
-        else:  # smaller pages: each key's page
+        elif BLOCK_N % PAGE_SIZE == 0:
+            # Whole pages in a block: one lookup per page, broadcast over its keys (a lookup per key
+            # read 16-token pages at batch 1 ~10 % slower on the H200).
+            index = block * (BLOCK_N // PAGE_SIZE) + tl.arange(0, BLOCK_N // PAGE_SIZE)
+            pages = tl.load(BLOCK_TABLE + b * table_stride + index, mask=index * PAGE_SIZE < kv_len, other=0)
+            pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)
+            page = tl.reshape(tl.broadcast_to(pages[:, None], (BLOCK_N // PAGE_SIZE, PAGE_SIZE)), (BLOCK_N,))
+            row = kv_pos % PAGE_SIZE
+        else:  # pages of other sizes: each key's page
             page = tl.load(BLOCK_TABLE + b * table_stride + kv_pos // PAGE_SIZE, mask=in_cache, other=0)
             page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
             row = kv_pos % PAGE_SIZE
