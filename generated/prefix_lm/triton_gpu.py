@@ -722,8 +722,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
     lse = torch.empty((batch, heads, new_tokens), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    _, block_n, warps, stages = _tiles("DECODE_", q.device)
-    block_m, row_blocks = _packed_rows(q, k_cache)
+    max_block_m, block_n, warps, stages = _tiles("DECODE_", q.device)
+    block_m, row_blocks = _packed_rows(q, k_cache, max_block_m)
     if num_splits is None:
         num_splits = _decode_splits(batch * kv_heads * row_blocks, capacity, q.device)
     merge_m, merge_splits = _merge_chunk(min(block_m, group * new_tokens), num_splits)
@@ -758,17 +758,17 @@ def kvcache_workspace(device, tiles=2**16):
     return torch.zeros(tiles, device=device, dtype=torch.int32)
 
 
-def _packed_rows(q, k_cache):
+def _packed_rows(q, k_cache, max_block_m):
     """(block_m, row_blocks): the rows of each kv head's tiles (its query heads x the new tokens,
-    packed) and how many tiles they take."""
+    packed, at most max_block_m a tile) and how many tiles they take."""
     rows = q.shape[1] // k_cache.shape[1] * q.shape[2]
-    block_m = max(16, min(_next_power_of_2(rows), _tiles("DECODE_", q.device)[0]))
+    block_m = max(16, min(_next_power_of_2(rows), max_block_m))
     return block_m, _cdiv(rows, block_m)
 
 
 def _check_workspace(workspace, q, k_cache):
     """A workspace fit for this call (kvcache_workspace's kind, on q's device, counting its tiles)."""
-    tiles = q.shape[0] * k_cache.shape[1] * _packed_rows(q, k_cache)[1]
+    tiles = q.shape[0] * k_cache.shape[1] * _packed_rows(q, k_cache, _tiles("DECODE_", q.device)[0])[1]
     if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.dim() != 1:
         raise TypeError(f"workspace must be a 1-D int32 torch tensor (kvcache_workspace), got {getattr(workspace, 'dtype', type(workspace).__name__)}")
     if workspace.device != q.device or not workspace.is_contiguous():
