@@ -13,8 +13,9 @@ per kv block of its block mask, allocated in random order). Ours reuse one works
 against a float64 reference by attngen.exactness's rule; then timed with triton.testing.do_bench
 (median). GB/s count the K and V bytes read once (B * H_kv * L * 2 * D * 2 bytes) per call; % peak
 is against a device-to-device copy measured in the same run. Each call is also replayed from a
-CUDA graph, as serving engines run decoding (host time gone: it dominates short caches), and its
-host time per eager call is reported.
+CUDA graph, as serving engines run decoding (host time gone: it dominates short caches), beside a
+graph-replayed copy that moves the same bytes (what HBM gives a transfer that short), and its host
+time per eager call is reported.
 
     python bench/decode.py [--lens 1024,8192,32768,131072] [--tokens 1,4,16] [--batch 8]
 
@@ -48,12 +49,14 @@ from attngen.spec import load_spec
 bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 4 GiB device-to-device copy (bytes read + written): the HBM peak we measure against."""
-    source = torch.empty(2**31, dtype=torch.bfloat16, device="cuda")
+def copy_bandwidth(moved: int = 2**33) -> float:
+    """GB/s of a device-to-device copy that moves `moved` bytes (half read, half written). 8 GiB: the
+    HBM peak we measure against. The bytes of a row's K and V, replayed from a CUDA graph as our
+    calls are: what HBM gives a transfer of that size (short ones pay the launch and the ramp)."""
+    source = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
-    ms = bench(lambda: target.copy_(source))
-    return 2 * 2**32 / ms / 1e6
+    copy = lambda: target.copy_(source)
+    return moved / bench(copy if moved == 2**33 else graphed(copy)) / 1e6
 
 
 def paged(k: torch.Tensor, v: torch.Tensor, page_size: int, generator):
@@ -142,8 +145,9 @@ def main() -> None:
         )
     print("!: not exact by attngen.exactness's rule")
     graph_names = ["ours", "ours paged 16", "FA2", "cuDNN"]
-    print("\nReplayed from CUDA graphs (GB/s; host time per eager call in us in brackets)")
-    print(f"{'L':>7} {'T':>3} " + " ".join(f"{n:>18}" for n in graph_names) + "  ours/FA2 ours/cuDNN")
+    print("\nReplayed from CUDA graphs (GB/s; host time per eager call in us in brackets; the last column:")
+    print("ours against a graph-replayed copy moving the same bytes)")
+    print(f"{'L':>7} {'T':>3} " + " ".join(f"{n:>18}" for n in graph_names) + "  ours/FA2 ours/cuDNN ours/copy")
     for r in rows:
         measured = r["impls"]
         cells = [
@@ -151,7 +155,13 @@ def main() -> None:
             for n in graph_names
         ]
         ratios = [_ratio(measured, "ours", peer, "graph_gb_s") for peer in ("FA2", "cuDNN")]
-        print(f"{r['len']:7d} {r['new_tokens']:3d} " + " ".join(f"{c:>18}" for c in cells) + "  {:>8} {:>10}".format(*ratios))
+        ours = measured["ours"].get("graph_gb_s")
+        ratios.append(f"{ours / r['same_size_copy_gb_s']:.2f}" if ours else "–")
+        print(
+            f"{r['len']:7d} {r['new_tokens']:3d} "
+            + " ".join(f"{c:>18}" for c in cells)
+            + "  {:>8} {:>10} {:>9}".format(*ratios)
+        )
 
 
 def _ratio(impls, name, peer, key="gb_s"):
@@ -226,12 +236,14 @@ def measure(module, flex, args, head_dim, length, generator):
     flex_paged = flex_paged_attention(flex, k, v, generator)
     lens = torch.full((B,), length, dtype=torch.int32, device="cuda")
     bytes_read = B * Hkv * length * 2 * D * 2
+    same_size_copy = copy_bandwidth(bytes_read)
     for new_tokens in map(int, args.tokens.split(",")):
         q = torch.randn(B, H, new_tokens, D, device="cuda", dtype=torch.bfloat16)
         # Exactness on the first two sequences (the float64 reference materialises the scores).
         exact = reference(q[:2], k[:2], v[:2], torch.float64)
         baseline = (reference(q[:2], k[:2], v[:2], torch.bfloat16) - exact).abs().max().item()
-        row = {"len": length, "new_tokens": new_tokens, "batch": B, "heads": H, "kv_heads": Hkv, "impls": {}}
+        row = {"len": length, "new_tokens": new_tokens, "batch": B, "heads": H, "kv_heads": Hkv, "impls": {},
+               "same_size_copy_gb_s": same_size_copy}  # fmt: skip
         for name, fn in impls(module, flex, q, k, v, lens, pages, flex_paged).items():
             try:
                 out = fn()
