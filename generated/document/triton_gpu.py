@@ -746,7 +746,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
     if num_splits > 1:
         parts = torch.empty((num_splits, batch, heads, new_tokens, HEAD_DIM_V), device=q.device, dtype=torch.float32)
         lse_parts = torch.empty((num_splits, batch, heads, new_tokens), device=q.device, dtype=torch.float32)
-        splits_done = torch.zeros(batch * kv_heads * row_blocks, device=q.device, dtype=torch.int32) if workspace is None else workspace
+        splits_done = kvcache_workspace(q.device, batch * kv_heads * row_blocks) if workspace is None else workspace
     table = block_table if paged else cache_seqlens  # (unread without pages)
     if torch.version.hip:
         stages = DECODE_NUM_STAGES_HIP
