@@ -263,6 +263,35 @@ def test_split_grids_fill_the_gpu_once_or_many_times(monkeypatch):
     assert module._decode_splits(512, 2**15, None) == 4  # batch 64: about eight times 264 programs
 
 
+
+def test_long_splits_walk_wider_kv_blocks(monkeypatch):
+    """One program per SM over long splits of tiles of 16 rows steps DECODE_LONG_BLOCK_N keys at a
+    time (H200: 16-token pages at batch 1, 128k keys, 0.89 -> 0.99x the contiguous cache); fewer keys
+    a split, more rows a tile, more programs than SMs, other GPUs and the interpreter keep 64. The
+    wider step is exact through pages of 16 keys (eight a step) and a contiguous cache."""
+    module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
+    monkeypatch.setattr(module, "_sm_count", lambda device: 132)  # an H100 / H200
+    monkeypatch.setattr(module, "_tma", lambda device: True)
+    cuda = torch.device("cuda")  # (a device object: nothing runs on it)
+    assert module._long_splits(2**17, 16, 128, 16, cuda)  # batch 1, 8 kv heads, one token, 128k keys
+    assert not module._long_splits(2**15, 16, 128, 16, cuda)  # 2k keys a split
+    assert not module._long_splits(2**17, 16, 128, 64, cuda)  # 16 new tokens: 64 rows a tile
+    assert not module._long_splits(2**17, 4, 256, 16, cuda)  # batch 8: two programs an SM
+    assert not module._long_splits(2**17, 16, 128, 16, torch.device("cpu"))
+    wide = retarget(load_spec("specs/causal.toml"), 256, "bfloat16")  # 256-wide heads: 268 KiB of K/V ring
+    assert not harness.load_target(wide, "triton_gpu")._long_splits(2**17, 16, 128, 16, cuda)
+
+    spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
+    narrow = harness.load_target(spec, "triton_gpu")
+    assert narrow.DECODE_LONG_BLOCK_N > narrow.DECODE_BLOCK_N
+    monkeypatch.setattr(narrow, "_long_splits", lambda *args: True)
+    for page_size in (16, None):
+        problem = {
+            "dtype": "float32", "batch": 2, "kv_heads": 2, "heads": 4, "new_tokens": 1, "capacity": 512,
+            "page_size": page_size, "seqlens": [512, 137], "num_splits": 2, "seed": 6,
+        }  # fmt: skip
+        check("causal", problem)
+
 def test_a_cache_in_another_layout_is_read_in_place():
     """FlashAttention's [batch, max_len, kv_heads, D] cache, as a transposed view: the same result."""
     spec = retarget(load_spec("specs/sliding_window.toml"), 32, "float32")

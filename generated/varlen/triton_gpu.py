@@ -743,6 +743,13 @@ DECODE_NUM_STAGES_PAGED = DECODE_NUM_STAGES + 2
 DECODE_MERGE_CHUNK = 8192
 # Split-KV: the grid the splits fill, in programs per SM (or about eight times as many: _decode_splits).
 DECODE_PROGRAMS_PER_SM = 2
+# A launch of one program per SM or fewer, each over DECODE_LONG_SPLIT_KEYS keys or more with tiles
+# of 16 query rows (a few new tokens), walks them DECODE_LONG_BLOCK_N keys a step (_long_splits).
+# H200, batch 1, 128k keys, one token: 16-token pages 0.89 -> 0.99x the contiguous cache, 64-token
+# pages 0.97 -> 1.00x; with 2k keys a split, 64-row tiles or two programs an SM they lose 1-16 %
+# (BENCHMARKS.md, 2026-12-02, "wider kv blocks for long splits").
+DECODE_LONG_BLOCK_N = 128
+DECODE_LONG_SPLIT_KEYS = 8192
 
 
 def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_splits, workspace):
@@ -763,6 +770,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
     block_m, row_blocks = _packed_rows(q, k_cache, max_block_m)
     if num_splits is None:
         num_splits = _decode_splits(batch * kv_heads * row_blocks, capacity, q.device)
+    if _long_splits(capacity, num_splits, batch * kv_heads * row_blocks * num_splits, block_m, q.device):
+        block_n = DECODE_LONG_BLOCK_N
     merge_m, merge_splits = _merge_chunk(min(block_m, group * new_tokens), num_splits)
     parts = lse_parts = splits_done = lse  # (unread without splits)
     if num_splits > 1:
@@ -854,6 +863,23 @@ def _decode_splits(tiles, capacity, device):
     slots = DECODE_PROGRAMS_PER_SM * _sm_count(device)
     splits = min(slots // tiles, 16) if tiles <= slots else round(8 * slots / tiles)
     return max(1, min(splits, _cdiv(capacity, 2 * DECODE_BLOCK_N)))
+
+
+def _long_splits(capacity, num_splits, programs, block_m, device):
+    """Whether a decode launch walks its splits DECODE_LONG_BLOCK_N keys a step: at one program per SM
+    or fewer nothing else on the SM hides each step's latency (a paged cache's block table, then the
+    K/V loads that depend on it), and wider steps put more bytes in flight. Only on NVIDIA GPUs with
+    TMA (where it was measured) and heads up to 128 wide: there the K/V ring grows from 70 to 136 KiB;
+    at 256 it would pass the 227 KiB a block has."""
+    return (
+        max(BLOCK_D, BLOCK_DV) <= 128
+        and block_m <= 16
+        and capacity >= num_splits * DECODE_LONG_SPLIT_KEYS
+        and device.type == "cuda"
+        and torch.version.hip is None
+        and _tma(device)
+        and programs <= _sm_count(device)
+    )
 
 
 def _merge_chunk(tile_rows, num_splits):
