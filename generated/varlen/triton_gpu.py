@@ -745,9 +745,9 @@ DECODE_MERGE_CHUNK = 8192
 DECODE_PROGRAMS_PER_SM = 2
 # A launch of one program per SM or fewer, each over DECODE_LONG_SPLIT_KEYS keys or more with tiles
 # of 16 query rows (a few new tokens), walks them DECODE_LONG_BLOCK_N keys a step (_long_splits).
-# H200, batch 1, 128k keys, one token: 16-token pages 0.89 -> 0.99x the contiguous cache, 64-token
-# pages 0.97 -> 1.00x; with 2k keys a split, 64-row tiles or two programs an SM they lose 1-16 %
-# (BENCHMARKS.md, 2026-12-02, "wider kv blocks for long splits").
+# H200, batch 1, 128k keys, one token: 16-token pages 0.89 -> 0.96-0.99x the contiguous cache,
+# 64-token pages 0.97 -> 1.00x; with 2k keys a split, 64-row tiles or two programs an SM they
+# lose 1-16 % (BENCHMARKS.md, 2026-12-02, "wider kv blocks for long splits").
 DECODE_LONG_BLOCK_N = 128
 DECODE_LONG_SPLIT_KEYS = 8192
 
