@@ -34,6 +34,21 @@ def _params(name, batch, heads, q_len, kv_len, seed):
     return {k: torch.as_tensor(v, device="cuda") if hasattr(v, "shape") else v for k, v in params.items()}
 
 
+def _bounds_clear_of_scores(params, spec, q, k):
+    """score_cutoff's bounds moved into the widest gap between the scores in [2, 3] of their
+    sequence: a score within float32's rounding of its bound may fall on either side in the kernel
+    and in float64, which drops a key from one of them and not the other. The gap is ~1e-4 wide at
+    the sizes here, float32's rounding of a score ~1e-6."""
+    group = q.shape[1] // k.shape[1]
+    scores = q.double() @ k.double().repeat_interleave(group, 1).transpose(2, 3) / spec.head_dim**0.5
+    bounds = []
+    for sequence in scores:
+        near = sequence[(sequence > 2.0) & (sequence < 3.0)].sort().values
+        widest = int((near[1:] - near[:-1]).argmax())
+        bounds.append((near[widest] + near[widest + 1]).item() / 2)
+    return {**params, "bound": torch.tensor(bounds, dtype=torch.float32, device=q.device)}
+
+
 def _out_and_grads(fn, q, k, v, dout):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse = fn(*leaves)
@@ -100,6 +115,8 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
     q, k, v, dout = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
     k, v = k[:, :kv_heads], v[:, :kv_heads]
     params = _params(name, batch, heads, q_len, kv_len, seed=1)
+    if name == "score_cutoff":
+        params = _bounds_clear_of_scores(params, spec, q, k)
     assert module._runs_sm90(q, module.SM90_FORWARD) and module._runs_sm90(q, module.SM90_BACKWARD)
 
     def run(*x):

@@ -1731,9 +1731,14 @@ _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.f
 def _nvmma_descriptor(t, rows, width=BLOCK_D):
     """The same for the Hopper kernels, whose tiles land in shared memory in wgmma's swizzled layout."""
     t = _tma_ready(t)
-    block = [1, 1, rows, width]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPES[t.dtype])
-    return NvmmaTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return NvmmaTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _nvmma_layout(rows, width, t.dtype))
+
+
+@functools.cache
+def _nvmma_layout(rows, width, dtype):
+    """wgmma's shared-memory layout of a [rows, width] tile, worked out once: Gluon spends ~6 us of
+    host time building one, and a call takes four."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], _GLUON_DTYPES[dtype])
 
 
 def _runs_sm90(q, enabled):
