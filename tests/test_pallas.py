@@ -29,12 +29,11 @@ def _small_blocks(spec):
     return with_config(spec, "pallas_tpu", block_q=64, block_kv=128)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("spec_file", SPECS, ids=lambda p: p.stem)
-def test_spec_examples_tpu_interpret(spec_file, dtype):
+def test_spec_examples_tpu_interpret(spec_file):
     """specs/ in TPU interpret mode, forward and backward kernels: race detection on, scratch
-    poisoned with NaN."""
-    spec = _small_blocks(harness.with_dtype(load_spec(spec_file), dtype))
+    poisoned with NaN. Each spec in its own dtype; tests/test_variants.py draws the others."""
+    spec = _small_blocks(load_spec(spec_file))
     p = harness.make_problem(
         spec, batch=1, heads=2, q_len=300, kv_len=333, seed=7, params=harness.example_params(spec.name, 1, 2, 300, 333)
     )

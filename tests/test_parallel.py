@@ -37,9 +37,8 @@ CASES = {
         ("relative_bias_trained", "ring", "zigzag"),  # a trained relative table: summed along diagonals
     ],
     4: [
-        ("sliding_window", "ring", "zigzag"),
+        ("sliding_window", "ring", "contiguous"),
         ("full", "allgather", "contiguous"),
-        ("causal", "ring", "contiguous"),
         ("alibi_slopes", "ring", "zigzag"),  # trained slopes: each rank's (device's) share summed
     ],
 }

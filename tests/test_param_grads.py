@@ -117,6 +117,34 @@ def test_trained_params_get_exact_gradients(target, relative):
     assert_grads("float32", dict(zip(names, (np.asarray(g) for g in grads))), ref_grads)
 
 
+@pytest.mark.parametrize("call", ["eager", "custom op"])
+def test_params_passed_without_requires_grad_are_not_trained(call, monkeypatch):
+    """A [grad] param given without requires_grad (ALiBi slopes held fixed) costs nothing: the
+    backward skips every trained read's gradient (no buffers, the dQ kernel's TRAIN = 0), and q, k,
+    v's gradients are those of the training call, bit for bit."""
+    spec = small(TRAINED)
+    q, k, v, do, params = problem(RELATIVE["bucketed"][1])
+    module = harness.load_target(spec, "triton_gpu")
+    attention = module.attention
+    if call == "custom op":  # what torch.compile traces; eager calls take an autograd.Function
+        torch._dynamo.reset()
+        attention = torch.compile(module.attention, backend="aot_eager")
+    trains = []
+    buffers = module._grad_buffers
+    monkeypatch.setattr(module, "_grad_buffers", lambda *args: trains.append(args[-1]) or buffers(*args))
+
+    def grads(requires_grad):
+        ours = {n: t.clone().requires_grad_(requires_grad and n in TRAINED_NAMES) for n, t in params.items()}
+        qkv = [x.clone().requires_grad_() for x in (q, k, v)]
+        (attention(*qkv, **ours) * do).sum().backward()
+        return [x.grad for x in qkv], [ours[n].grad for n in TRAINED_NAMES]
+
+    (trained_qkv, trained_params), (fixed_qkv, fixed_params) = grads(True), grads(False)
+    assert trains == [True, False]
+    assert all(g is not None for g in trained_params) and all(g is None for g in fixed_params)
+    assert all(torch.equal(a, b) for a, b in zip(trained_qkv, fixed_qkv))
+
+
 def test_a_trained_read_of_another_kind_is_refused_at_build():
     """A read whose indices read the positions otherwise than as the pair's own or through one
     index of q_idx - kv_idx alone has no deterministic gradient here: the build says so; so does a

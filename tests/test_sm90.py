@@ -7,7 +7,7 @@ import json
 import pytest
 
 from attngen.errors import SpecError
-from attngen.spec import load_spec, parse_spec, retarget
+from attngen.spec import load_spec, parse_spec, retarget, with_config
 from tests import harness
 
 # Compiles one Hopper kernel of a module in a process of its own (TRITON_INTERPRET must be off when
@@ -41,7 +41,7 @@ print(json.dumps({
     ],
 )  # closed-form tile bounds; block tables
 def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk):
-    spec = load_spec(f"specs/{name}.toml")
+    spec = with_config(load_spec(f"specs/{name}.toml"), "triton_gpu", sm90_forward=1, sm90_backward=1)
     module = harness.load_target(spec, "triton_gpu")
     ptx = harness.compiled_structure(_INSPECT, module.__file__, spec.dtype, kernel, json.dumps(walk))[-1]
     assert ptx["wgmma"] > 0 and ptx["tma_loads"] > 0  # asynchronous MMA fed by TMA

@@ -27,7 +27,7 @@ on non-negative numbers (so C truncation and floor division agree).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import reduce
+from functools import cache, reduce
 
 import sympy
 
@@ -50,7 +50,7 @@ KV_HI = sympy.Symbol("col_hi", integer=True, nonnegative=True)
 FULL_LO = sympy.Symbol("full_lo", integer=True, nonnegative=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # two of them, below: equal when the same (and hashable)
 class Orientation:
     """Which index the rows are, and what the generic symbols are called in kernels."""
 
@@ -409,6 +409,16 @@ def analyse_mask(
     With BY_QUERY_BLOCK (the default) the result reads q_first, q_last, kv_len and gives kv block
     ranges; with BY_KEY_BLOCK it reads kv_first, kv_last, q_len and gives q block ranges.
     """
+    return _analyse_mask(mask, tuple(sorted(params.items())), block, orientation)
+
+
+@cache
+def _analyse_mask(
+    mask: ir.Expr | None, params: tuple[tuple[str, Type], ...], block: int | str, orientation: Orientation
+) -> TileBounds:
+    """analyse_mask, once a process per question: sympy takes 0.1-1 s, and every load of a module
+    (attngen.load renders its source to find it in the cache) asks again."""
+    params = dict(params)
     symbols = {
         orientation.row_var: Q,
         orientation.col_var: K,

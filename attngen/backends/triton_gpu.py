@@ -192,7 +192,7 @@ KERNELS = (
             ("dq_desc", desc("BLOCK_M")),
             *PROBLEM_ARGS,
         ),
-        constexprs=(("GROUP", 1),),
+        constexprs=(("GROUP", 1), ("TRAIN", 1)),  # TRAIN: where the spec trains params ([grad])
     ),
     Kernel(
         "bwd_dkdv",

@@ -355,6 +355,7 @@ def _dq_kv_blocks(
     dq, grad0, q, do, lse, delta, k_desc, v_desc, b, h, h_kv,
     block_lo, block_hi, q_idx, q_len, kv_len, scale, param_slopes, param_slopes_size0,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TMA: tl.constexpr,
+    TRAIN: tl.constexpr,
 ):
     """dQ contributions of a run of kv blocks, recomputing P from the LSE; the trained reads' gradients."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -369,11 +370,12 @@ def _dq_kv_blocks(
             p = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_slopes, param_slopes_size0), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])  # dL/d(score')
-        # slopes[h]: dL/d(score') * d(score')/d(read); 0 where ds is (hidden pairs) and
-        # on the rows past the sequence
-        derivative = _param_grad0(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_slopes, param_slopes_size0)
-        share = tl.where((q_idx < q_len) & (ds != 0.0), ds * derivative, 0.0)
-        grad0 += tl.sum(tl.sum(share, 1), 0)
+        if TRAIN:
+            # slopes[h]: dL/d(score') * d(score')/d(read); 0 where ds is (hidden pairs) and
+            # on the rows past the sequence
+            derivative = _param_grad0(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_slopes, param_slopes_size0)
+            share = tl.where((q_idx < q_len) & (ds != 0.0), ds * derivative, 0.0)
+            grad0 += tl.sum(tl.sum(share, 1), 0)
         ds = ds * _score_grad(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_slopes, param_slopes_size0)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq, grad0
@@ -384,7 +386,7 @@ def _attention_bwd_dq(
     q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc,
     num_heads, q_len, kv_len, scale, param_slopes, param_slopes_size0, PARAM_GRAD0, PARAM_GRAD0_INDEX,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, TRAIN: tl.constexpr,
 ):
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest first, as in the forward
     bh = tl.program_id(1)
@@ -419,21 +421,22 @@ def _attention_bwd_dq(
     dq, grad0 = _dq_kv_blocks(
         dq, grad0, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
         kv_lo, full_lo, q_idx, q_len, kv_len, scale, param_slopes, param_slopes_size0,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA, TRAIN=TRAIN,
     )
     dq, grad0 = _dq_kv_blocks(
         dq, grad0, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
         full_lo, full_hi, q_idx, q_len, kv_len, scale, param_slopes, param_slopes_size0,
-        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
+        MASKED=False, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA, TRAIN=TRAIN,
     )
     dq, grad0 = _dq_kv_blocks(
         dq, grad0, q, do, lse, delta, k_desc, v_desc, b, h, h // GROUP,
         full_hi, kv_hi, q_idx, q_len, kv_len, scale, param_slopes, param_slopes_size0,
-        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA,
+        MASKED=True, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=TMA, TRAIN=TRAIN,
     )
-    # slopes[h]: this program's share, and the element it reads
-    tl.store(PARAM_GRAD0 + q_block * tl.num_programs(1) + bh, grad0)
-    tl.store(PARAM_GRAD0_INDEX + bh, clamped(h, param_slopes_size0).to(tl.int64))
+    if TRAIN:
+        # slopes[h]: this program's share, and the element it reads
+        tl.store(PARAM_GRAD0 + q_block * tl.num_programs(1) + bh, grad0)
+        tl.store(PARAM_GRAD0_INDEX + bh, clamped(h, param_slopes_size0).to(tl.int64))
 
     _store_tile(dq_desc, b, h, q_first, dq * scale, BLOCK_M, BLOCK_D, TMA)
 
@@ -1787,17 +1790,18 @@ def _transpose_keys(V, VT, kv_heads, kv_len, stride_b, stride_h, stride_s, t_str
     tl.store(target, tl.trans(tile), mask=(cols[:, None] < 128) & (columns[None, :] < padded))
 
 
-def _backward(dout, dlse, q, k, v, out, lse, scale, params):
-    """(dq, dk, dv, d slopes) given the gradients of out and lse (FlashAttention-2: P recomputed from lse)."""
+def _backward(dout, dlse, q, k, v, out, lse, scale, params, train=True):
+    """(dq, dk, dv, d slopes) given the gradients of out and lse (FlashAttention-2: P recomputed from lse).
+    train=False: no trained param wants a gradient, so theirs are skipped (and returned empty)."""
     params = _kernel_params(params)
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
     dq_block_m, dq_block_n, dq_warps, dq_stages = _tiles("DQ_", q.device)
     delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    grad_buffers = _grad_buffers(batch, heads, q_len, kv_len, dq_block_m, q.device, params)
+    grad_buffers = _grad_buffers(batch, heads, q_len, kv_len, dq_block_m, q.device, params, train)
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
-        return dq.zero_(), dk.zero_(), dv.zero_(), *_trained_grads(lse, delta, params, grad_buffers)
+        return dq.zero_(), dk.zero_(), dv.zero_(), *_trained_grads(lse, delta, params, grad_buffers, train)
     grid = (_cdiv(q_len, dq_block_m), batch * heads)
     _attention_bwd_dq[grid](
         _descriptor(q, dq_block_m), _descriptor(k, dq_block_n), _descriptor(v, dq_block_n, BLOCK_DV),
@@ -1805,7 +1809,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         _descriptor(dq, dq_block_m),
         heads, q_len, kv_len, scale, *params, *grad_buffers, GROUP=group,
         BLOCK_M=dq_block_m, BLOCK_N=dq_block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
-        num_warps=dq_warps, num_stages=dq_stages,
+        TRAIN=train, num_warps=dq_warps, num_stages=dq_stages,
     )
     hopper = _runs_sm90(q, SM90_BACKWARD)
     block_m, block_n, warps, stages = _tiles("SM90_DKDV_" if hopper else "DKDV_", q.device)
@@ -1828,7 +1832,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         if splits > 1:
             dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
             dv.copy_(dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2))
-        return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers)
+        return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers, train)
     _attention_bwd_dkdv[grid](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV),
         _descriptor(dout, block_m, BLOCK_DV), lse, delta,
@@ -1840,15 +1844,18 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     if splits > 1:
         dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
         dv.copy_(dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2))
-    return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers)
+    return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers, train)
 
 
-def _grad_buffers(batch, heads, q_len, kv_len, dq_block_m, device, params):
+def _grad_buffers(batch, heads, q_len, kv_len, dq_block_m, device, params, train):
     """Where the dQ kernel writes each trained read's share, zeroed (tiles the mask hides write
-    nothing): a positional read's per pair, [batch, heads, q_len, kv_len];
+    nothing), or None each where it does not train (train=False): a positional read's per pair,
+    [batch, heads, q_len, kv_len];
     another's per program, [q blocks, batch * heads]; those with the flat index of the element
     (a relative read's entry 0) each (batch, head) reads. params: _kernel_params' (the data, then
     each axis' size)."""
+    if not train:
+        return [None] * 2
     programs = _cdiv(q_len, dq_block_m)
     return [
         torch.zeros((programs, batch * heads), device=device, dtype=torch.float32),  # slopes[h]
@@ -1856,9 +1863,11 @@ def _grad_buffers(batch, heads, q_len, kv_len, dq_block_m, device, params):
     ]
 
 
-def _trained_grads(lse, delta, params, buffers):
+def _trained_grads(lse, delta, params, buffers, train):
     """The trained params' gradients (slopes), float32, deterministic:
-    plain reductions in a fixed order, no atomics."""
+    plain reductions in a fixed order, no atomics; empty ones where it does not train (train=False)."""
+    if not train:
+        return tuple(lse.new_empty(0) for _ in TRAINED_PARAMS)
     grads = {}
     shape = params[1 : 2]  # (_kernel_params: the data, then each axis' size)
     share = _gathered_grad(buffers[0], buffers[1], shape)  # slopes[h]
@@ -1875,8 +1884,16 @@ def _gathered_grad(shares, index, shape):
     return (shares.sum(0) @ one_hot).view(shape)
 
 
-def _param_grads(params, grads):
+def _trains(needs_input_grad):
+    """Whether autograd wants a trained param's gradient (the inputs: q, k, v, scale, then the
+    params): where none does (params passed without requires_grad), the backward skips them all."""
+    return any(needs_input_grad[4 + PARAM_NAMES.index(name)] for name in TRAINED_PARAMS)
+
+
+def _param_grads(params, grads, train):
     """The params' gradients for autograd: each trained param its own, the others none."""
+    if not train:
+        return tuple(None for _ in params)
     named = dict(zip(TRAINED_PARAMS, grads))
     return tuple(named[name].to(p.dtype) if name in named else None for name, p in zip(PARAM_NAMES, params))
 
@@ -1942,13 +1959,16 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
     @torch.library.custom_op(f"attngen::{_OP}_bwd", mutates_args=())
     def _bwd_op(
         dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        out: torch.Tensor, lse: torch.Tensor, scale: float, param_slopes: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, scale: float, train: bool, param_slopes: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(dout, dlse, q, k, v, out, lse, scale, [param_slopes])
+        return _backward(dout, dlse, q, k, v, out, lse, scale, [param_slopes], train)
 
     @_bwd_op.register_fake
-    def _bwd_fake(dout, dlse, q, k, v, out, lse, scale, param_slopes, param_slopes_size0):
-        trained = (torch.empty_like(param_slopes, dtype=torch.float32), )
+    def _bwd_fake(dout, dlse, q, k, v, out, lse, scale, train, param_slopes, param_slopes_size0):
+        if train:
+            trained = (torch.empty_like(param_slopes, dtype=torch.float32), )
+        else:  # (_trained_grads: empty)
+            trained = tuple(lse.new_empty(0) for _ in TRAINED_PARAMS)
         return *(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)), *trained
 
     def _setup_context(ctx, inputs, output):
@@ -1960,8 +1980,9 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv, *trained = torch.ops.attngen.alibi_slopes_b927382ec4b8_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
-        return dq, dk, dv, None, *_param_grads(ctx.params, trained)
+        train = _trains(ctx.needs_input_grad)
+        dq, dk, dv, *trained = torch.ops.attngen.alibi_slopes_b927382ec4b8_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
+        return dq, dk, dv, None, *_param_grads(ctx.params, trained, train)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
@@ -1980,8 +2001,9 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):  # an unused output's gradient arrives as zeros
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, *trained = _backward(dout, dlse, q, k, v, out, lse, ctx.scale, list(ctx.params))
-        return dq, dk, dv, None, *_param_grads(ctx.params, trained)
+        train = _trains(ctx.needs_input_grad)
+        dq, dk, dv, *trained = _backward(dout, dlse, q, k, v, out, lse, ctx.scale, list(ctx.params), train)
+        return dq, dk, dv, None, *_param_grads(ctx.params, trained, train)
 
 
 def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params):

@@ -1590,8 +1590,9 @@ def _transpose_keys(V, VT, kv_heads, kv_len, stride_b, stride_h, stride_s, t_str
     tl.store(target, tl.trans(tile), mask=(cols[:, None] < 64) & (columns[None, :] < padded))
 
 
-def _backward(dout, dlse, q, k, v, out, lse, scale, params):
-    """(dq, dk, dv, d sinks) given the gradients of out and lse (FlashAttention-2: P recomputed from lse)."""
+def _backward(dout, dlse, q, k, v, out, lse, scale, params, train=True):
+    """(dq, dk, dv, d sinks) given the gradients of out and lse (FlashAttention-2: P recomputed from lse).
+    train=False: no trained param wants a gradient, so theirs are skipped (and returned empty)."""
     params = _kernel_params(params)
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
@@ -1601,7 +1602,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     grad_buffers = ()
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
         delta = -dlse.float()  # no key: the output is 0
-        return dq.zero_(), dk.zero_(), dv.zero_(), *_trained_grads(lse, delta, params, grad_buffers)
+        return dq.zero_(), dk.zero_(), dv.zero_(), *_trained_grads(lse, delta, params, grad_buffers, train)
     grid = (_cdiv(q_len, dq_block_m), batch * heads)
     _attention_bwd_dq[grid](
         _descriptor(q, dq_block_m), _descriptor(k, dq_block_n), _descriptor(v, dq_block_n, BLOCK_DV),
@@ -1631,7 +1632,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     if splits > 1:
         dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
         dv.copy_(dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2))
-    return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers)
+    return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers, train)
 
 
 @triton.jit
@@ -1660,15 +1661,25 @@ def _sink_grad(lse, delta, params):
 
 
 
-def _trained_grads(lse, delta, params, buffers):
+def _trained_grads(lse, delta, params, buffers, train):
     """The trained params' gradients (sinks), float32, deterministic:
-    plain reductions in a fixed order, no atomics."""
+    plain reductions in a fixed order, no atomics; empty ones where it does not train (train=False)."""
+    if not train:
+        return tuple(lse.new_empty(0) for _ in TRAINED_PARAMS)
     grads = {"sinks": _sink_grad(lse, delta, params)}
     return tuple(grads[name] for name in TRAINED_PARAMS)
 
 
-def _param_grads(params, grads):
+def _trains(needs_input_grad):
+    """Whether autograd wants a trained param's gradient (the inputs: q, k, v, scale, then the
+    params): where none does (params passed without requires_grad), the backward skips them all."""
+    return any(needs_input_grad[4 + PARAM_NAMES.index(name)] for name in TRAINED_PARAMS)
+
+
+def _param_grads(params, grads, train):
     """The params' gradients for autograd: each trained param its own, the others none."""
+    if not train:
+        return tuple(None for _ in params)
     named = dict(zip(TRAINED_PARAMS, grads))
     return tuple(named[name].to(p.dtype) if name in named else None for name, p in zip(PARAM_NAMES, params))
 
@@ -1734,13 +1745,16 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
     @torch.library.custom_op(f"attngen::{_OP}_bwd", mutates_args=())
     def _bwd_op(
         dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        out: torch.Tensor, lse: torch.Tensor, scale: float, param_sinks: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, scale: float, train: bool, param_sinks: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(dout, dlse, q, k, v, out, lse, scale, [param_sinks])
+        return _backward(dout, dlse, q, k, v, out, lse, scale, [param_sinks], train)
 
     @_bwd_op.register_fake
-    def _bwd_fake(dout, dlse, q, k, v, out, lse, scale, param_sinks, param_sinks_size0):
-        trained = (torch.empty_like(param_sinks, dtype=torch.float32), )
+    def _bwd_fake(dout, dlse, q, k, v, out, lse, scale, train, param_sinks, param_sinks_size0):
+        if train:
+            trained = (torch.empty_like(param_sinks, dtype=torch.float32), )
+        else:  # (_trained_grads: empty)
+            trained = tuple(lse.new_empty(0) for _ in TRAINED_PARAMS)
         return *(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)), *trained
 
     def _setup_context(ctx, inputs, output):
@@ -1752,8 +1766,9 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv, *trained = torch.ops.attngen.sinks_879e70801d69_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
-        return dq, dk, dv, None, *_param_grads(ctx.params, trained)
+        train = _trains(ctx.needs_input_grad)
+        dq, dk, dv, *trained = torch.ops.attngen.sinks_879e70801d69_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
+        return dq, dk, dv, None, *_param_grads(ctx.params, trained, train)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
@@ -1772,8 +1787,9 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):  # an unused output's gradient arrives as zeros
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, *trained = _backward(dout, dlse, q, k, v, out, lse, ctx.scale, list(ctx.params))
-        return dq, dk, dv, None, *_param_grads(ctx.params, trained)
+        train = _trains(ctx.needs_input_grad)
+        dq, dk, dv, *trained = _backward(dout, dlse, q, k, v, out, lse, ctx.scale, list(ctx.params), train)
+        return dq, dk, dv, None, *_param_grads(ctx.params, trained, train)
 
 
 def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params):
