@@ -44,7 +44,7 @@ def test_spec_examples_tpu_interpret(spec_file):
     assert not _races_found(), "TPU interpret mode detected a race"
 
 
-@settings(max_examples=25)
+@settings(max_examples=15)
 @given(**DRAWN)
 def test_drawn_specs(drawn, shape, seed, scale):
     spec = harness.spec_from_text(drawn.text)
@@ -52,7 +52,7 @@ def test_drawn_specs(drawn, shape, seed, scale):
     harness.assert_exact(spec, p, *harness.run_pallas(spec, p))
 
 
-@settings(max_examples=10)
+@settings(max_examples=6)
 @given(**DRAWN)
 def test_drawn_specs_gradients(drawn, shape, seed, scale):
     spec = harness.spec_from_text(drawn.text)
