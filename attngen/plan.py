@@ -137,6 +137,9 @@ class KernelPlan:
     # Per kernel (by name): the column block ranges its loop walks (kv blocks per q block for the
     # forward and dQ, q blocks per kv block for dK/dV).
     bounds: dict[str, BoundsPlan]
+    # The same in the module's host code, for the kernels whose bounds it can evaluate (see
+    # host_expressible; empty where the backend has no host dialect or block tables hold the walk).
+    host_bounds: dict[str, BoundsPlan]
     op_name: str  # unique per spec content and kernel configuration: names the torch custom ops
     helpers: frozenset[str]  # names of helper functions the expressions call
     gathers: tuple[GatherPlan, ...]  # Pallas: tensor reads materialised per position (else empty)
@@ -268,6 +271,21 @@ def _bounds_plan(bounds: TileBounds, lower) -> BoundsPlan:
     return BoundsPlan(*map(lower, exprs), bounds.affine, reads)
 
 
+# What host code has at hand where it launches a kernel: the lengths, a row block's first and
+# last query, the kernel's steps, the bounds it computed before (in order), and the scalar params.
+_HOST_VARS = frozenset({"q_len", "kv_len", "q_first", "q_last", "BLOCK_M", "BLOCK_N", *TILE_VARS})
+
+
+def host_expressible(e: ir.Expr, scalars: frozenset[str]) -> bool:
+    """Whether host code can evaluate e (a tile bound) on Python ints: no tensor read, no function
+    but min and max, and only what host code has at hand."""
+    if isinstance(e, ir.Load) or (isinstance(e, ir.Func) and e.name not in ("min", "max")):
+        return False
+    if isinstance(e, ir.Var) and e.name not in _HOST_VARS | scalars:
+        return False
+    return all(host_expressible(c, scalars) for c in ir.children(e))
+
+
 def _digest(spec: Spec, config: Any) -> str:
     """12 hex digits that change whenever the generated kernels would: the spec file's hash and
     every field a tool may have replaced (dtype, head_dim, block sizes when tuning)."""
@@ -318,6 +336,21 @@ def kernel_tile_bounds(spec: Spec, backend: Backend) -> dict[str, TileBounds]:
         if key not in analyses:
             analyses[key] = analyse_mask(spec.mask, params, steps[k.name], k.walks)
     return {k.name: analyses[(k.walks.row_var, steps[k.name])] for k in backend.kernels}
+
+
+def _host_bounds(
+    tile_bounds: dict[str, TileBounds], backend: Backend, names: dict[str, str], spec: Spec
+) -> dict[str, BoundsPlan]:
+    """Each kernel's bounds in the module's host code, where host code can evaluate all four."""
+    if backend.host_dialect is None:
+        return {}
+    scalars = frozenset(p.name for p in spec.params if not p.is_tensor)
+    lower = lambda e: emit(e, backend.host_dialect, names)
+    return {
+        name: _bounds_plan(b, lower)
+        for name, b in tile_bounds.items()
+        if all(host_expressible(e, scalars) for e in (b.lo, b.hi, b.full_lo, b.full_hi))
+    }
 
 
 def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
@@ -373,6 +406,7 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         for p in sorted(spec.params, key=lambda p: (p.is_tensor, p.type is ir.Type.FLOAT))
     )
     sink_read = _sink_param(spec)
+    host_bounds = {} if data_mask else _host_bounds(tile_bounds, backend, names, spec)  # (tables walk those)
     return KernelPlan(
         spec_name=spec.name,
         spec_file=spec_file,
@@ -407,6 +441,7 @@ def make_plan(spec: Spec, backend: Backend, spec_file: str) -> KernelPlan:
         ),
         varlen=spec.varlen,
         bounds={name: _bounds_plan(b, lower) for name, b in tile_bounds.items()},
+        host_bounds=host_bounds,
         op_name=f"{spec.name}_{_digest(spec, config)}",
         helpers=frozenset(helpers),
         gathers=tuple(_gather_plan(load, lower) for load, read in gathered.items() if isinstance(read, ir.Var)),

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from attngen.errors import SpecError
-from attngen.spec import load_spec, parse_spec, retarget, with_config
+from attngen.spec import load_spec, packed, parse_spec, retarget, with_config
 from tests import harness
 
 # Compiles one Hopper kernel of a module in a process of its own (TRITON_INTERPRET must be off when
@@ -77,6 +77,24 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
     assert not enabled(128, "float32")  # wgmma takes no float32 inputs
 
 
+def test_calls_of_short_programs_take_the_triton_forward():
+    """sm90_forward_min_keys: the module counts the keys the Hopper forward's middle row block would
+    see (its tile bounds, evaluated on the host at the call's lengths and params), and below the
+    spec's bound the Triton forward serves the call."""
+    module = harness.load_target(load_spec("specs/sliding_window.toml"), "triton_gpu")
+    assert module.SM90_FORWARD_MIN_KEYS == 2048
+    assert module._sm90_keys_seen(16384, 16384, 1024) == 9 * 128  # the window's 8 blocks and the diagonal's
+    assert module._sm90_keys_seen(16384, 16384, 4096) == 33 * 128
+    assert module._sm90_keys_seen(1000, 1000, 4096) == 4 * 128  # rows 384..511 see keys 0..511
+    local = harness.load_target(load_spec("specs/local_window.toml"), "triton_gpu")
+    assert local._sm90_keys_seen(16384, 16384, 512, 512) == 9 * 128  # rows 8192..8319 see keys 7680..8831
+    # Bounds from tables built at run time (a mask that reads tensors, a packed form) are not host
+    # code: there the Hopper forward serves every call.
+    document = with_config(load_spec("specs/document.toml"), "triton_gpu", sm90_forward_min_keys=2048)
+    assert "_sm90_keys_seen" not in _source(document)
+    assert "_sm90_keys_seen" not in _source(packed(load_spec("specs/sliding_window.toml")))
+
+
 def _source(spec) -> str:
     from attngen.backends.triton_gpu import TRITON_GPU
     from attngen.build import target_source
@@ -91,6 +109,7 @@ def _source(spec) -> str:
         ("sm90_num_warps = 8", "sm90_num_warps must be 4"),
         ("sm90_forward = 2", "sm90_forward must be 0 or 1"),
         ("sm90_dkdv_block_n = 64", "sm90_dkdv_block_n must be 128"),
+        ("sm90_forward_min_keys = -1", "sm90_forward_min_keys must be in 0..2"),
     ],
 )
 def test_hopper_forward_keys_are_checked(table, problem):

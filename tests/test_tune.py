@@ -27,8 +27,9 @@ def test_candidates_name_each_kernels_fields():
     short = {"short_block_m": 128, "short_block_n": 32, "short_num_warps": 8, "short_num_stages": 3}
     assert c.config(kernel("fwd_short")) == short
     fields = {f.name for f in dataclasses.fields(TritonConfig)}
-    # a length, the Hopper kernels' switches and the decode split rule's occupancy are not searched
-    unsearched = {"short_kv_len", "sm90_forward", "sm90_backward", "sm90_fp8", "decode_programs_per_sm"}
+    # lengths, the Hopper kernels' switches and the decode split rule's occupancy are not searched
+    unsearched = {"short_kv_len", "sm90_forward_min_keys", "sm90_forward", "sm90_backward", "sm90_fp8"}
+    unsearched |= {"decode_programs_per_sm"}
     assert set().union(*(c.config(k) for k in KERNELS)) == fields - unsearched
 
 

@@ -158,6 +158,9 @@ class Backend:
     # into score-shaped tiles (TPUs have no general gather), rather than read in the kernels.
     gathers_position_loads: bool
     array_module: str  # what the generated module calls its array library: "torch", "jnp"
+    # How the module's host code spells tile bounds it evaluates itself (to choose a kernel by the
+    # keys a program sees); None: it evaluates none.
+    host_dialect: Dialect | None = None
 
     @property
     def filename(self) -> str:

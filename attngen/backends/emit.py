@@ -24,7 +24,7 @@ class Dialect:
     """How a target spells the language's operations."""
 
     functions: dict[str, str]  # IR function name -> callable, e.g. "exp" -> "tl.exp"
-    where: str
+    where: str | Callable[[str, str, str], str]  # a function's name, or (cond, if true, if false) -> an atom
     logical_not: Callable[[str], str]  # operand source (already atomic) -> source
     to_float: Callable[[str], str]  # operand source (already atomic) -> source
     floordiv: str | None  # helper with floor semantics, or None when `//` already floors
@@ -109,6 +109,8 @@ class _Printer:
             op, prec = (d.logic[0], _AND) if e.op == "and" else (d.logic[1], _OR)
             return f"{self.operand(e.lhs, prec)} {op} {self.operand(e.rhs, prec + 1)}", prec
         if isinstance(e, ir.Where):
+            if callable(d.where):
+                return d.where(*(self.print(x)[0] for x in (e.cond, e.if_true, e.if_false))), _ATOM
             return self.call(d.where, e.cond, e.if_true, e.if_false)
         if isinstance(e, ir.Func):
             return self.call(d.functions[e.name], *e.args)

@@ -77,6 +77,13 @@ class TritonConfig:
     sm90_block_n: int = 128
     sm90_num_warps: int = 4
     sm90_num_stages: int = 2
+    # A call whose programs see few keys (a short window) runs the Triton forward instead: the
+    # Hopper forward serves it only if its middle row block sees more than sm90_forward_min_keys
+    # keys, by the forward's tile bounds at the call's lengths and params (0: every call; so does a
+    # mask that reads tensors, whose bounds come from tables built at run time). With a
+    # window of 1024 the Triton forward's 64 x 64 tiles ran 1.21x as fast as the Hopper forward,
+    # with one of 4096 the Hopper forward 1.13x as fast (H200, BENCHMARKS.md, 2026-12-03).
+    sm90_forward_min_keys: int = 0
     # The same kernel over FP8 e4m3 inputs (attention_fp8, Hopper only): its own tiles, as FP8 halves
     # the bytes of a K/V tile. sm90_fp8 = 0 leaves attention_fp8 out of the module.
     sm90_fp8: int = 1
@@ -332,12 +339,9 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         if table.get(key) and shape is not None and shape.dtype == "float32":
             why = "FP8 writes its output in the spec's dtype" if key == "sm90_fp8" else "wgmma takes no float32 inputs"
             report(f"triton {key} needs fp16 or bf16: {why}", key)
-    if "short_kv_len" in table and not 0 <= table["short_kv_len"] < 2**31:
-        report(
-            f"triton short_kv_len must be in 0..2**31-1, got {table['short_kv_len']}",
-            "short_kv_len",
-            "0 turns the short-sequence forward off",
-        )
+    for key, off in (("short_kv_len", "the short-sequence forward"), ("sm90_forward_min_keys", "the choice by keys")):
+        if key in table and not 0 <= table[key] < 2**31:
+            report(f"triton {key} must be in 0..2**31-1, got {table[key]}", key, f"0 turns {off} off")
     if report.count or shape is None:  # (no shape: a spec with other problems; values checked only)
         return None
     config = {**default_config(shape.widest, shape.dtype), **table}
@@ -405,6 +409,17 @@ TRITON_GPU = Backend(
     tensor_args=tensor_args,
     gathers_position_loads=False,
     array_module="torch",
+    # Python ints, whose // floors; bounds that read no tensor are host code (attngen.plan.host_expressible).
+    host_dialect=Dialect(
+        functions={"min": "min", "max": "max"},
+        where=lambda cond, if_true, if_false: f"({if_true} if {cond} else {if_false})",
+        logical_not=lambda x: f"not {x}",
+        to_float=lambda x: f"float({x})",
+        floordiv=None,
+        floormod=None,
+        load=lambda tensor, indices: "",
+        clamp=lambda index, tensor, axis: "",
+    ),
 )
 
 

@@ -9,7 +9,7 @@ dtype: bfloat16, head_dim: 64
 tiles: 128 queries x 64 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.sinks_879e70801d69_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.sinks_4c3ec80e4600_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -1731,7 +1731,7 @@ def _kernel_params(params):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "sinks_879e70801d69"
+_OP = "sinks_4c3ec80e4600"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -1767,7 +1767,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         if dlse is None:
             dlse = torch.zeros_like(lse)
         train = _trains(ctx.needs_input_grad)
-        dq, dk, dv, *trained = torch.ops.attngen.sinks_879e70801d69_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
+        dq, dk, dv, *trained = torch.ops.attngen.sinks_4c3ec80e4600_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
         return dq, dk, dv, None, *_param_grads(ctx.params, trained, train)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -1821,7 +1821,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.sinks_879e70801d69_fwd if torch.compiler.is_compiling() else _Attention.apply
+    run = torch.ops.attngen.sinks_4c3ec80e4600_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out

@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 192
 tiles: 128 queries x 64 keys; closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.value_dim_d440ad3bdfcb_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.value_dim_eeee5a307423_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -1364,9 +1364,9 @@ def _attention_fwd_sm90(
 # ---------------------------------------------------------------------------- Hopper (sm90) dK/dV
 # One program holds a block of keys (half of it per consumer warpgroup, with its dK and dV in
 # registers) and walks the q blocks that see it; a loader warp streams each q block's Q and dO
-# through a ring of shared-memory buffers with TMA. The five products of the dK/dV step run as
-# asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T together, then dV += P^T dO and dK += dS^T Q
-# with P^T and dS^T straight from registers. Same tile bounds, mask and score as _attention_bwd_dkdv.
+# through a ring of shared-memory buffers with TMA, and its LSE and delta beside them. The five
+# products of the dK/dV step run as asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T together,
+# then dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from registers. Same tile bounds, mask and score as _attention_bwd_dkdv.
 
 
 @gluon.jit
@@ -1381,25 +1381,32 @@ def _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, ready, empty, b, h, block_lo, block_hi, it,
-                        STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Stream the Q and dO tiles of one run of q blocks into the ring; `it` counts ring slots used."""
+def _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, lse_row, delta_row,
+                        block_lo, block_hi, it, q_len, STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Stream the Q and dO tiles of one run of q blocks into the ring, and their rows of LSE and
+    delta (0 past q_len): a slot is ready when both TMA copies have landed and the rows are
+    stored (its barrier's two arrivals). `it` counts ring slots used."""
+    entries: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # a row over the loader's one warp
     for block in range(block_lo, block_hi):
         slot = it % STAGES
         mbarrier.wait(empty.index(slot), (it // STAGES) & 1 ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, block * BLOCK_M, 0], ready.index(slot), q_smem.index(slot))
         tma.async_copy_global_to_shared(do_desc, [b, h, block * BLOCK_M, 0], ready.index(slot), do_smem.index(slot))
+        offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, entries)
+        lse_smem.index(slot).store(gl.load(lse_row + offs_m, mask=offs_m < q_len, other=0.0))
+        delta_smem.index(slot).store(gl.load(delta_row + offs_m, mask=offs_m < q_len, other=0.0))
+        mbarrier.arrive(ready.index(slot), count=1)
         it += 1
     return it
 
 
 @gluon.jit
-def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
-                      b, h_kv, part, kv_block, kv_first, q_len, kv_len,
+def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                      kv_ready, ready, empty, b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len,
                       GROUP: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The loader warp: each consumer's half of K and V, then Q and dO of every q block in order."""
+    """The loader warp: each consumer's half of K and V, then Q, dO, LSE and delta of every q block in order."""
     ROWS: gl.constexpr = BLOCK_N // 2
     mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for half in gl.static_range(2):
@@ -1409,13 +1416,17 @@ def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, d
     for g in range(GROUP // SPLITS):
         h = part * (GROUP // SPLITS) + g
         q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, BLOCK_M, BLOCK_N)
-        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, ready, empty, b, h, q_lo, q_full_lo, it, STAGES, BLOCK_M)
-        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, ready, empty, b, h, q_full_lo, q_full_hi, it, STAGES, BLOCK_M)
-        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, ready, empty, b, h, q_full_hi, q_hi, it, STAGES, BLOCK_M)
+        row = (b * num_heads + h).to(gl.int64) * q_len  # this head's first entry of LSE and delta
+        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
+                                 DELTA + row, q_lo, q_full_lo, it, q_len, STAGES, BLOCK_M)
+        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
+                                 DELTA + row, q_full_lo, q_full_hi, it, q_len, STAGES, BLOCK_M)
+        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
+                                 DELTA + row, q_full_hi, q_hi, it, q_len, STAGES, BLOCK_M)
 
 
 @gluon.jit
-def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, empty, lse_row, delta_row,
+def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
                            b, h, block_lo, block_hi, kv_idx, q_len, kv_len, scale,
                            MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
     """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE)."""
@@ -1432,14 +1443,12 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, e
         q_tile = q_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, BLOCK_DV])
         offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, cols)
-        if MASKED:
-            lse = gl.load(lse_row + offs_m, mask=offs_m < q_len, other=0.0)
-            delta = gl.load(delta_row + offs_m, mask=offs_m < q_len, other=0.0)
-        else:
-            lse = gl.load(lse_row + offs_m)
-            delta = gl.load(delta_row + offs_m)
         q_idx = gl.expand_dims(offs_m, 0)
         mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        # LSE and delta from shared memory, read where they are used: loaded from global memory here,
+        # they were held in registers across the products (16 of each a thread) and made the
+        # consumers spill (80-384 bytes a thread; BENCHMARKS.md, 2026-12-03).
+        lse = lse_smem.index(slot).load(cols)
         # S^T = K Q^T and dP^T = V dO^T, [keys, queries]: issued together, S^T waited first.
         qk = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -1447,6 +1456,7 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, e
         p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale), gl.expand_dims(lse, 0))
         if MASKED:
             p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len), p, 0.0)
+        delta = delta_smem.index(slot).load(cols)
         dp = warpgroup_mma_wait(0, deps=(dp, v_tile, do_tile))[0]
         ds = p * (dp - gl.expand_dims(delta, 0))
         # dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register operands.
@@ -1461,7 +1471,7 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, e
 
 
 @gluon.jit
-def _sm90_dkdv_consumer(dk_ptr, dv_ptr, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
+def _sm90_dkdv_consumer(dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
                         b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale,
                         HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
@@ -1486,17 +1496,16 @@ def _sm90_dkdv_consumer(dk_ptr, dv_ptr, LSE, DELTA, k_smem, v_smem, q_smem, do_s
         h = part * (GROUP // SPLITS) + g
         # The bounds of the whole kv block, as the loader walks them (this half's keys are masked).
         q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first - HALF * ROWS, q_len, kv_len, BLOCK_M, BLOCK_N)
-        row = (b * num_heads + h).to(gl.int64) * q_len  # this head's first entry of LSE and delta
         dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, empty, LSE + row, DELTA + row,
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
             b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, True, STAGES, BLOCK_M,
         )
         dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, empty, LSE + row, DELTA + row,
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
             b, h, q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, False, STAGES, BLOCK_M,
         )
         dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_tile, v_tile, q_smem, do_smem, ready, empty, LSE + row, DELTA + row,
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
             b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, True, STAGES, BLOCK_M,
         )
 
@@ -1541,32 +1550,35 @@ def _attention_bwd_dkdv_sm90(
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_DV], do_desc.layout)
+    rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for slot in gl.static_range(STAGES):
-        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(ready.index(slot), count=2)  # the TMA copies', then the loader's once it stored LSE and delta
         mbarrier.init(empty.index(slot), count=2)  # released by both consumers
 
     gl.warp_specialize(
         [
             (
                 _sm90_dkdv_consumer,
-                (dk_ptr, dv_ptr, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
+                (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
                  b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale,
                  0, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V),
             ),
             (
                 _sm90_dkdv_consumer,
-                (dk_ptr, dv_ptr, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
+                (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
                  b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale,
                  1, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V),
             ),
             (
                 _sm90_dkdv_loader,
-                (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty,
-                 b, h_kv, part, kv_block, kv_first, q_len, kv_len,
+                (q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                 kv_ready, ready, empty, b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len,
                  GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N),
             ),
         ],
@@ -1837,7 +1849,7 @@ def _sm_count(device):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "value_dim_d440ad3bdfcb"
+_OP = "value_dim_eeee5a307423"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -1868,7 +1880,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = torch.ops.attngen.value_dim_d440ad3bdfcb_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.value_dim_eeee5a307423_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -1916,7 +1928,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.value_dim_d440ad3bdfcb_fwd if torch.compiler.is_compiling() else _Attention.apply
+    run = torch.ops.attngen.value_dim_eeee5a307423_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
