@@ -34,7 +34,7 @@ from attngen.backends import TARGETS
 from attngen.backends.base import Backend, Kernel
 from attngen.backends.emit import emit
 from attngen.errors import AttngenError
-from attngen.plan import SPEC_DIALECT, kernel_tile_bounds, make_plan, spec_text
+from attngen.plan import SPEC_DIALECT, host_expressible, kernel_tile_bounds, make_plan, spec_text
 from attngen.png import encode
 from attngen.reference import evaluate, positions
 from attngen.spec import Spec
@@ -481,13 +481,19 @@ def explain(
 def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...], dict[str, str]]:
     """(the kernel of each kind a call runs on `chip`, {each other kernel: why not}), picked as the
     generated module picks (templates/triton_gpu/module.py.jinja): a kernel built for the chip's
-    compute capability when it is on, else the short-sequence forward up to short_kv_len keys,
-    else the plain kernel."""
+    compute capability when it is on and the call's programs are not short (sm90_forward_min_keys),
+    else the short-sequence forward up to short_kv_len keys, else the plain kernel."""
     config = ex.spec.config(ex.target)
 
     def why_not(kernel: Kernel) -> str | None:
         if kernel.capabilities and chip.capability not in kernel.capabilities:
             return f"built for compute capability {'/'.join(map(str, kernel.capabilities))}"
+        if kernel.family == "fp8":
+            return "attention_fp8's kernel (FP8 inputs), not attention's"
+        if kernel.name == "fwd_sm90" and config.sm90_forward and config.sm90_forward_min_keys:
+            keys = _keys_seen(ex, ex.maps[kernel.name])
+            if keys is not None and keys <= config.sm90_forward_min_keys:
+                return f"its middle row block sees {keys} keys, at most sm90_forward_min_keys = {config.sm90_forward_min_keys}"
         if kernel.enabled_by == "short_kv_len":  # a length, not a switch
             return None if ex.problem.kv_len <= config.short_kv_len else f"only up to {config.short_kv_len} keys"
         if kernel.enabled_by and not getattr(config, kernel.enabled_by):
@@ -506,6 +512,18 @@ def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...
             chosen[kind] = kernel.name
     launched = tuple(name for name in ex.maps if name in chosen.values())
     return launched, {name: skipped[name] for name in ex.maps if name in skipped}
+
+
+def _keys_seen(ex: Explanation, m: TileMap) -> int | None:
+    """The keys the Hopper forward's middle row block sees, as the generated module counts them
+    (_sm90_keys_seen, from the tile bounds on the host); None where it counts none (block tables,
+    bounds the host cannot evaluate)."""
+    scalars = frozenset(p.name for p in ex.spec.params if not p.is_tensor)
+    bounds = (m.bounds.lo, m.bounds.hi, m.bounds.full_lo, m.bounds.full_hi)
+    if m.tables or not all(host_expressible(e, scalars) for e in bounds):
+        return None
+    row = ex.problem.q_len // 2 // m.block_q
+    return int(np.count_nonzero(m.runs[0, 0, row] != EMPTY)) * m.block_kv
 
 
 # --------------------------------------------------------------------------- text

@@ -3,8 +3,9 @@
 Rows: the grid of bench/speed.py (causal and full, bf16, D = 64 / 128, N = 1k / 4k / 16k at
 B·N = 16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k. Each row times,
 with triton.testing.do_bench (median), the forward and forward + backward of: ours with the Hopper
-kernels ("sm90": the Gluon forward and dK/dV kernel, the Triton dQ kernel), the same module with
-them turned off ("triton": SM90_FORWARD = SM90_BACKWARD = 0, today's Triton kernels), and the
+kernels ("sm90": the Gluon forward and dK/dV kernel where they serve the call, as a spec's
+sm90_forward_min_keys sends short programs to the Triton forward; the Triton dQ kernel), the same
+module with them turned off ("triton": SM90_FORWARD = SM90_BACKWARD = 0, today's Triton kernels), and the
 peers -- SDPA's cuDNN and FlashAttention-2 backends where they express the mask, else compiled
 FlexAttention. Before timing, each of our two forwards is checked against float64 at the row's
 length (one sequence, two heads, fresh inputs), by attngen.exactness's rule with the reference run

@@ -177,3 +177,14 @@ def test_cli_reports_bad_arguments(args, message, tmp_path, capsys):
     spec = str(ROOT / "specs/sliding_window.toml")
     assert main(["explain", spec, "--out", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_explain_picks_the_forward_a_window_takes_on_hopper():
+    """As the module does (sm90_forward_min_keys): a window of 1024 (1152 keys a program) runs the
+    Triton forward on an H200, one of 4096 the Hopper forward; FP8's kernel never serves attention."""
+    spec = load_spec(ROOT / "specs/sliding_window.toml")
+    short = explain(spec, Problem(4096, 4096), params={"window": "1024"}, accelerator="h200")
+    assert short.launched[0] == "fwd" and "1152 keys" in short.not_launched["fwd_sm90"]
+    assert "attention_fp8" in short.not_launched["fwd_sm90_fp8"]
+    long = explain(spec, Problem(4096, 4096), params={"window": "4096"}, accelerator="h200")
+    assert long.launched[0] == "fwd_sm90"

@@ -72,7 +72,7 @@ def test_drawn_specs(drawn, shape, seed, scale):
     harness.assert_exact(spec, p, *harness.run_triton(spec, p))
 
 
-@settings(max_examples=10)
+@settings(max_examples=7)
 @given(**DRAWN)
 def test_drawn_specs_gradients(drawn, shape, seed, scale):
     spec = harness.spec_from_text(drawn.text)
