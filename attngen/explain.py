@@ -34,7 +34,7 @@ from attngen.backends import TARGETS
 from attngen.backends.base import Backend, Kernel
 from attngen.backends.emit import emit
 from attngen.errors import AttngenError
-from attngen.plan import SPEC_DIALECT, host_expressible, kernel_tile_bounds, make_plan, spec_text
+from attngen.plan import SPEC_DIALECT, kernel_tile_bounds, make_plan, spec_text
 from attngen.png import encode
 from attngen.reference import evaluate, positions
 from attngen.spec import Spec
@@ -167,6 +167,7 @@ class TileMap:
     rows: _Rows
     bounds: TileBounds
     tables: bool  # whether the kernel walks run-time block tables instead of its bounds
+    counted_on_host: bool  # whether the module evaluates its bounds on the host (plan.host_bounds)
     runs: np.ndarray  # what the kernel does with each tile
     exact: np.ndarray  # the tile's class from the dense mask
     visible_pairs: int
@@ -466,6 +467,7 @@ def explain(
             rows=rows,
             bounds=all_bounds[k.name],
             tables=tables,
+            counted_on_host=k.name in plan.host_bounds,
             runs=runs,
             exact=exact,
             visible_pairs=visible,
@@ -518,9 +520,7 @@ def _keys_seen(ex: Explanation, m: TileMap) -> int | None:
     """The keys the Hopper forward's middle row block sees, as the generated module counts them
     (_sm90_keys_seen, from the tile bounds on the host); None where it counts none (block tables,
     bounds the host cannot evaluate)."""
-    scalars = frozenset(p.name for p in ex.spec.params if not p.is_tensor)
-    bounds = (m.bounds.lo, m.bounds.hi, m.bounds.full_lo, m.bounds.full_hi)
-    if m.tables or not all(host_expressible(e, scalars) for e in bounds):
+    if not m.counted_on_host:
         return None
     row = ex.problem.q_len // 2 // m.block_q
     return int(np.count_nonzero(m.runs[0, 0, row] != EMPTY)) * m.block_kv

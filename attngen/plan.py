@@ -138,7 +138,7 @@ class KernelPlan:
     # forward and dQ, q blocks per kv block for dK/dV).
     bounds: dict[str, BoundsPlan]
     # The same in the module's host code, for the kernels whose bounds it can evaluate (see
-    # host_expressible; empty where the backend has no host dialect or block tables hold the walk).
+    # _host_expressible; empty where the backend has no host dialect or block tables hold the walk).
     host_bounds: dict[str, BoundsPlan]
     op_name: str  # unique per spec content and kernel configuration: names the torch custom ops
     helpers: frozenset[str]  # names of helper functions the expressions call
@@ -276,14 +276,14 @@ def _bounds_plan(bounds: TileBounds, lower) -> BoundsPlan:
 _HOST_VARS = frozenset({"q_len", "kv_len", "q_first", "q_last", "BLOCK_M", "BLOCK_N", *TILE_VARS})
 
 
-def host_expressible(e: ir.Expr, scalars: frozenset[str]) -> bool:
+def _host_expressible(e: ir.Expr, scalars: frozenset[str]) -> bool:
     """Whether host code can evaluate e (a tile bound) on Python ints: no tensor read, no function
     but min and max, and only what host code has at hand."""
     if isinstance(e, ir.Load) or (isinstance(e, ir.Func) and e.name not in ("min", "max")):
         return False
     if isinstance(e, ir.Var) and e.name not in _HOST_VARS | scalars:
         return False
-    return all(host_expressible(c, scalars) for c in ir.children(e))
+    return all(_host_expressible(c, scalars) for c in ir.children(e))
 
 
 def _digest(spec: Spec, config: Any) -> str:
@@ -349,7 +349,7 @@ def _host_bounds(
     return {
         name: _bounds_plan(b, lower)
         for name, b in tile_bounds.items()
-        if all(host_expressible(e, scalars) for e in (b.lo, b.hi, b.full_lo, b.full_hi))
+        if all(_host_expressible(e, scalars) for e in (b.lo, b.hi, b.full_lo, b.full_hi))
     }
 
 

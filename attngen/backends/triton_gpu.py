@@ -373,6 +373,10 @@ def tensor_args(name: str, rank: int) -> tuple[str, ...]:
     return (name, *(f"{name}_size{axis}" for axis in range(rank)))
 
 
+def _no_tensor_on_the_host(*_):
+    raise AssertionError("host code reads no tensor: attngen.plan._host_expressible keeps such bounds out")
+
+
 TRITON_GPU = Backend(
     name="triton_gpu",
     template="triton_gpu/module.py.jinja",
@@ -409,7 +413,7 @@ TRITON_GPU = Backend(
     tensor_args=tensor_args,
     gathers_position_loads=False,
     array_module="torch",
-    # Python ints, whose // floors; bounds that read no tensor are host code (attngen.plan.host_expressible).
+    # Python ints, whose // floors; bounds that read no tensor are host code (attngen.plan._host_expressible).
     host_dialect=Dialect(
         functions={"min": "min", "max": "max"},
         where=lambda cond, if_true, if_false: f"({if_true} if {cond} else {if_false})",
@@ -417,8 +421,8 @@ TRITON_GPU = Backend(
         to_float=lambda x: f"float({x})",
         floordiv=None,
         floormod=None,
-        load=lambda tensor, indices: "",
-        clamp=lambda index, tensor, axis: "",
+        load=_no_tensor_on_the_host,
+        clamp=_no_tensor_on_the_host,
     ),
 )
 
