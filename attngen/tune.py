@@ -46,7 +46,7 @@ from attngen.spec import Spec, retarget, with_config
 # The training family: the forward kernels are timed alone, the others with the whole backward.
 TUNED_KERNELS = tuple(k for k in KERNELS if k.family == "training")
 FORWARD_KERNELS = ("fwd", "fwd_short", "fwd_sm90")
-HOPPER_SWITCHES = tuple(sorted({k.enabled_by for k in KERNELS if k.capabilities}))  # sm90_forward, _backward, _fp8
+HOPPER_SWITCHES = tuple(sorted({k.enabled_by for k in KERNELS if k.capabilities}))  # sm90_forward, _backward, _dq, _fp8
 TOKENS = 16384  # batch * seq of every timed shape, as in the benchmark grid
 
 

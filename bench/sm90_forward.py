@@ -1,15 +1,15 @@
 """The Hopper kernels (Gluon, sm90) against our Triton kernels and the peers, in one run on an H200.
 
-Rows: the grid of bench/speed.py (causal and full, bf16, D = 64 / 128, N = 1k / 4k / 16k at
-B·N = 16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k. Each row times,
-with triton.testing.do_bench (median), the forward and forward + backward of: ours with the Hopper
-kernels ("sm90": the Gluon forward and dK/dV kernel where they serve the call, as a spec's
-sm90_forward_min_keys sends short programs to the Triton forward; the Triton dQ kernel), the same
-module with them turned off ("triton": SM90_FORWARD = SM90_BACKWARD = 0, today's Triton kernels), and the
-peers -- SDPA's cuDNN and FlashAttention-2 backends where they express the mask, else compiled
-FlexAttention. Before timing, each of our two forwards is checked against float64 at the row's
-length (one sequence, two heads, fresh inputs), by attngen.exactness's rule with the reference run
-in bf16 as the baseline; the gradients are proven in tests/test_gpu.py.
+Rows: the grid of bench/speed.py (causal and full, bf16, D = 64 / 128, N = 1k / 4k / 16k at B·N =
+16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k. Each row times, with
+triton.testing.do_bench (median), the forward and forward + backward of: ours with the Hopper
+kernels ("sm90": the Gluon forward, dQ and dK/dV kernels where they serve the call, as a spec's
+sm90_forward_min_keys sends short programs to the Triton forward), the same module with them turned
+off ("triton": SM90_FORWARD = SM90_DQ = SM90_BACKWARD = 0 around the whole timed call, the Triton
+kernels alone), and the peers -- SDPA's cuDNN and FlashAttention-2 backends where they express the
+mask, else compiled FlexAttention. Before timing, each of our two forwards is checked against
+float64 at the row's length (one sequence, two heads, fresh inputs), by attngen.exactness's rule
+with the reference run in bf16 as the baseline; the gradients are proven in tests/test_gpu.py.
 
     python bench/sm90_forward.py [--seqs 1024,4096,16384] [--head-dims 64,128] [--only causal,full]
                                  [--sm90-everywhere]
@@ -20,6 +20,8 @@ Prints a table last; writes results.json to $OUT (or ./bench-out).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -71,7 +73,7 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool) -> dict:
     device = torch.device("cuda")
     spec = retarget(load_spec(ROOT / "specs" / f"{case.spec}.toml"), head_dim, "bfloat16")
     if sm90_everywhere:  # also where the defaults leave them out (head dims of 64), to measure them there
-        spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1)
+        spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1, sm90_dq=1)
     module = load(spec, "triton_gpu")
     q, k, v, dout = (
         torch.randn(row.batch, row.heads, seq, head_dim, device=device, dtype=torch.bfloat16) for _ in range(4)
@@ -81,30 +83,28 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool) -> dict:
     impls = {}
 
     # 0 where the spec's config leaves a Hopper kernel out of the module.
-    built = {"SM90_FORWARD": module.SM90_FORWARD, "SM90_BACKWARD": module.SM90_BACKWARD}
+    built = {switch: getattr(module, switch) for switch in ("SM90_FORWARD", "SM90_DQ", "SM90_BACKWARD")}
 
-    def use(sm90: bool):
+    @contextlib.contextmanager
+    def kernels(sm90: bool):
+        """Ours with the Hopper kernels that the module builds, or with the Triton kernels alone:
+        around the whole timed call, so that the backward runs the same kernels as the forward."""
         for switch, value in built.items():
             setattr(module, switch, value if sm90 else 0)
+        try:
+            yield
+        finally:
+            for switch, value in built.items():
+                setattr(module, switch, value)
 
-    def ours(sm90: bool):
-        def run(*qkv):
-            use(sm90)
-            try:
-                return module.attention(*qkv, **params)
-            finally:
-                use(True)
-
-        return run
-
-    checks = {}
-    if any(built.values()):
-        checks["sm90"] = exact(spec, module, case, row)
-        impls["sm90"] = ours(True)
-    use(False)
-    checks["triton"] = exact(spec, module, case, row)
-    use(True)
-    impls["triton"] = ours(False)
+    checks, switched = {}, {}
+    for name, sm90 in (("sm90", True), ("triton", False)):
+        if sm90 and not any(built.values()):
+            continue
+        with kernels(sm90):
+            checks[name] = exact(spec, module, case, row)
+        impls[name] = lambda *qkv: module.attention(*qkv, **params)
+        switched[name] = functools.partial(kernels, sm90)
     if case.sdpa:
         for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("FA2", SDPBackend.FLASH_ATTENTION)):
 
@@ -124,10 +124,11 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool) -> dict:
     for name, fn in impls.items():
         if name in checks and not checks[name]["ok"]:
             continue  # not exact: not timed
-        times[name] = {
-            "fwd": time_ms(lambda fn=fn: fn(q, k, v)),
-            "fwd_bwd": time_ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout)),
-        }
+        with switched.get(name, contextlib.nullcontext)():
+            times[name] = {
+                "fwd": time_ms(lambda fn=fn: fn(q, k, v)),
+                "fwd_bwd": time_ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout)),
+            }
     return {"row": row.label, "case": case.name, "head_dim": head_dim, "seq": seq, "checks": checks, "ms": times}
 
 

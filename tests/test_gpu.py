@@ -91,6 +91,7 @@ def test_pointer_tiles_on_the_gpu(name, monkeypatch):
     monkeypatch.setattr(module, "_tma", lambda device: False)
     monkeypatch.setattr(module, "SM90_FORWARD", 0, raising=False)
     monkeypatch.setattr(module, "SM90_BACKWARD", 0, raising=False)
+    monkeypatch.setattr(module, "SM90_DQ", 0, raising=False)
     batch, heads, kv_heads, q_len, kv_len = 2, 4, 2, 1537, 2049
     q, k, v, dout = _inputs(spec, batch, heads, q_len, kv_len, seed=5)
     k, v = k[:, :kv_heads], v[:, :kv_heads]
@@ -102,13 +103,13 @@ def test_pointer_tiles_on_the_gpu(name, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(p.stem for p in Path("specs").glob("*.toml")))
 def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
-    """The Gluon forward and dK/dV kernels on an sm90 GPU, with grouped kv heads and odd tails; the
+    """The Gluon forward, dQ and dK/dV kernels on an sm90 GPU, with grouped kv heads and odd tails; the
     Triton kernels of the same module, in the same run, must not be much more exact than them."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm90 GPUs only")
     # Built also where the defaults leave them out (heads of 64), and serving short programs too.
     spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), dtype)
-    spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1, sm90_forward_min_keys=0)
+    spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1, sm90_dq=1, sm90_forward_min_keys=0)
     module = harness.load_target(spec, "triton_gpu")
     batch, heads, kv_heads, q_len, kv_len = 2, 4, 2, 1000, 1537
     q, k, v, dout = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
@@ -116,18 +117,18 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
     params = _params(name, batch, heads, q_len, kv_len, seed=1)
     if name == "score_cutoff":
         params = _bounds_clear_of_scores(params, spec, q, k)
-    assert module._runs_sm90(q, module.SM90_FORWARD) and module._runs_sm90(q, module.SM90_BACKWARD)
+    assert all(module._runs_sm90(q, switch) for switch in (module.SM90_FORWARD, module.SM90_BACKWARD, module.SM90_DQ))
 
     def run(*x):
         return module.attention(*x, return_lse=True, **params)
 
     out, lse, grads = _out_and_grads(run, q, k, v, dout)
     ref_out, ref_grads = _assert_exact(spec, params, (q, k, v, dout), out, lse, grads)
-    module.SM90_FORWARD = module.SM90_BACKWARD = 0  # the Triton kernels, for comparison
+    module.SM90_FORWARD = module.SM90_BACKWARD = module.SM90_DQ = 0  # the Triton kernels, for comparison
     try:
         triton_out, _, triton_grads = _out_and_grads(run, q, k, v, dout)
     finally:
-        module.SM90_FORWARD = module.SM90_BACKWARD = 1
+        module.SM90_FORWARD = module.SM90_BACKWARD = module.SM90_DQ = 1
     for ours, theirs, ref in zip((out, *grads), (triton_out, *triton_grads), (ref_out, *ref_grads), strict=True):
         error = (ours.double() - ref).abs().max().item()
         assert error <= 2 * (theirs.double() - ref).abs().max().item() + 1e-6
@@ -362,7 +363,11 @@ def test_sinks_on_the_gpu(head_dim):
     q, k, v and the sinks against float64, by the FlashAttention rule; the sinks' gradient bitwise
     the same in a second run."""
     spec = with_config(
-        retarget(load_spec("specs/sinks.toml"), head_dim, "bfloat16"), "triton_gpu", sm90_forward=1, sm90_backward=1
+        retarget(load_spec("specs/sinks.toml"), head_dim, "bfloat16"),
+        "triton_gpu",
+        sm90_forward=1,
+        sm90_backward=1,
+        sm90_dq=1,
     )
     module = harness.load_target(spec, "triton_gpu")
     batch, heads, kv_heads, q_len = 2, 8, 2, 3001
@@ -381,7 +386,7 @@ def test_sinks_on_the_gpu(head_dim):
     out, lse, ours_grads = grads(ours, q.dtype)
     ref_out, ref_lse, ref_grads = grads(reference, torch.float64)
     base_out, _, base_grads = grads(reference, q.dtype)
-    assert module._runs_sm90(q, module.SM90_FORWARD) and module._runs_sm90(q, module.SM90_BACKWARD)
+    assert all(module._runs_sm90(q, switch) for switch in (module.SM90_FORWARD, module.SM90_BACKWARD, module.SM90_DQ))
     assert_forward(spec.dtype, out, lse, ref_out, ref_lse, base_out)
     names = ("dq", "dk", "dv", "dsinks")
     assert_grads(spec.dtype, dict(zip(names, ours_grads)), dict(zip(names, ref_grads)), dict(zip(names, base_grads)))

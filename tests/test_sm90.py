@@ -1,4 +1,4 @@
-"""The Hopper kernels (Gluon, sm90): the forward and the dK/dV kernel. Triton's interpreter cannot
+"""The Hopper kernels (Gluon, sm90): the forward, the dQ and the dK/dV kernel. Triton's interpreter cannot
 run Gluon, so on a CPU they are compiled for sm_90a and their structure read from the PTX;
 tests/test_gpu.py proves them exact on an H200. Their config keys are checked like the others."""
 
@@ -31,11 +31,13 @@ print(json.dumps({
 }))
 """
 
+HOPPER_KERNELS = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90")
+
 
 @pytest.mark.parametrize(
     ("name", "kernel", "walk"),
     [
-        *((name, kernel, {}) for kernel in ("fwd_sm90", "bwd_dkdv_sm90") for name in ("causal", "document")),
+        *((name, kernel, {}) for kernel in HOPPER_KERNELS for name in ("causal", "document")),
         ("full", "fwd_sm90", {}),  # the persistent forward, a static share of the tiles per program
         ("causal", "fwd_sm90", {"PERSISTENT": 1, "DYNAMIC": 1}),  # tiles taken from a counter
     ],
@@ -46,7 +48,7 @@ def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk):
     ptx = harness.compiled_structure(_INSPECT, module.__file__, spec.dtype, kernel, json.dumps(walk))[-1]
     assert ptx["wgmma"] > 0 and ptx["tma_loads"] > 0  # asynchronous MMA fed by TMA
     # One product waited for alone while another is in flight: the softmax of the next kv block
-    # under P V (forward), P^T under dP^T (dK/dV).
+    # under P V (forward), P under dP (dQ), P^T under dP^T (dK/dV).
     assert ptx["waits"] == ["0", "1"]
     assert {24, 240} <= set(ptx["registers"])  # registers moved from the loader warp to the consumers
     assert ptx["local"] == 0  # nothing in local memory at the PTX level
@@ -69,12 +71,16 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
     def enabled(head_dim, dtype):
         spec = retarget(load_spec("specs/causal.toml"), head_dim, dtype)
         config, source = spec.config("triton_gpu"), _source(spec)
-        both = config.sm90_forward == config.sm90_backward
-        return both and config.sm90_forward == 1 and "_attention_fwd_sm90" in source and "_bwd_dkdv_sm90" in source
+        backward = {"_attention_bwd_dq_sm90": config.sm90_dq, "_attention_bwd_dkdv_sm90": config.sm90_backward}
+        assert all((name in source) == bool(on) for name, on in backward.items())
+        assert ("_attention_fwd_sm90" in source) == bool(config.sm90_forward or config.sm90_fp8)  # (FP8's kernel too)
+        return config.sm90_forward, *backward.values()
 
-    assert enabled(128, "bfloat16") and enabled(128, "float16") and enabled(256, "bfloat16")
-    assert not enabled(64, "bfloat16")  # a tie with the Triton forward at best (BENCHMARKS.md)
-    assert not enabled(128, "float32")  # wgmma takes no float32 inputs
+    assert enabled(128, "bfloat16") == enabled(128, "float16") == (1, 1, 1)
+    assert enabled(64, "bfloat16") == (0, 0, 0)  # a tie with the Triton forward at best (BENCHMARKS.md)
+    assert enabled(128, "float32") == (0, 0, 0)  # wgmma takes no float32 inputs
+    # Heads of 256: the dQ kernel's Q, dO and O beside its K/V ring pass sm90's shared memory.
+    assert enabled(256, "bfloat16") == (1, 0, 1)
 
 
 def test_calls_of_short_programs_take_the_triton_forward():
@@ -109,6 +115,8 @@ def _source(spec) -> str:
         ("sm90_num_warps = 8", "sm90_num_warps must be 4"),
         ("sm90_forward = 2", "sm90_forward must be 0 or 1"),
         ("sm90_dkdv_block_n = 64", "sm90_dkdv_block_n must be 128"),
+        ("sm90_dq_block_m = 64", "sm90_dq_block_m must be 128"),
+        ("sm90_dq = 1\nsm90_dq_block_n = 128\nsm90_dq_num_stages = 3", "the Hopper dQ kernel's tiles need more than sm90's 227 KiB"),
         ("sm90_forward_min_keys = -1", "sm90_forward_min_keys must be in 0..2"),
     ],
 )
@@ -118,7 +126,7 @@ def test_hopper_forward_keys_are_checked(table, problem):
         parse_spec(text, "s.toml")
 
 
-@pytest.mark.parametrize("key", ["sm90_forward", "sm90_backward"])
+@pytest.mark.parametrize("key", ["sm90_forward", "sm90_backward", "sm90_dq"])
 def test_a_float32_spec_cannot_ask_for_the_hopper_kernels(key):
     text = f'name = "s"\nhead_dim = 128\ndtype = "float32"\n[triton]\n{key} = 1\n'
     with pytest.raises(SpecError, match="wgmma takes no float32 inputs"):

@@ -28,7 +28,7 @@ def test_candidates_name_each_kernels_fields():
     assert c.config(kernel("fwd_short")) == short
     fields = {f.name for f in dataclasses.fields(TritonConfig)}
     # lengths, the Hopper kernels' switches and the decode split rule's occupancy are not searched
-    unsearched = {"short_kv_len", "sm90_forward_min_keys", "sm90_forward", "sm90_backward", "sm90_fp8"}
+    unsearched = {"short_kv_len", "sm90_forward_min_keys", "sm90_forward", "sm90_backward", "sm90_dq", "sm90_fp8"}
     unsearched |= {"decode_programs_per_sm"}
     assert set().union(*(c.config(k) for k in KERNELS)) == fields - unsearched
 
@@ -40,7 +40,7 @@ def test_search_spaces():
     assert len(quick) == 6 and all(c.stages == 3 for c in quick)
 
 
-@pytest.mark.parametrize("name", ["fwd_sm90", "bwd_dkdv_sm90"])
+@pytest.mark.parametrize("name", ["fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90"])
 def test_the_hopper_kernels_search_what_the_backend_leaves_free(name):
     """Every candidate of a Gluon kernel passes the backend's checks (128 rows, one warpgroup per
     consumer); --quick searches the same 4."""

@@ -99,6 +99,15 @@ class TritonConfig:
     sm90_dkdv_block_n: int = 128
     sm90_dkdv_num_warps: int = 4
     sm90_dkdv_num_stages: int = 2
+    # The Hopper dQ kernel: sm90_dq_block_m queries per program in two consumer warpgroups of half
+    # as many, sm90_dq_block_n keys per step through a ring of sm90_dq_num_stages K/V buffers.
+    # sm90_dq = 0 turns it off (make_config sets its default like sm90_backward's). A call whose
+    # trained params want gradients runs the dQ kernel above, which gathers them.
+    sm90_dq: int = 1
+    sm90_dq_block_m: int = 128
+    sm90_dq_block_n: int = 64
+    sm90_dq_num_warps: int = 4
+    sm90_dq_num_stages: int = 2
 
     def tiles(self, kernel: Kernel) -> dict[str, int]:
         """block_m, block_n, num_warps and num_stages of one kernel."""
@@ -302,6 +311,32 @@ KERNELS = (
         language="gluon",
         capabilities=(90,),
     ),
+    Kernel(
+        "bwd_dq_sm90",
+        "training",
+        "_attention_bwd_dq_sm90",
+        "bwd_dq_sm90.py.jinja",
+        about="Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program in two consumer warpgroups, SM90_DQ_BLOCK_N keys per step.",
+        walks=BY_QUERY_BLOCK,
+        step="BLOCK_N",
+        tiles="sm90_dq_",
+        arguments=(
+            ("q_desc", Arg("nvmma_desc", "HALF_BLOCK_M")),
+            ("k_desc", Arg("nvmma_desc", "BLOCK_N")),
+            ("v_desc", Arg("nvmma_desc", "BLOCK_N", "dv")),
+            ("o_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
+            ("do_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
+            ("LSE", F32_POINTER),
+            ("DLSE", F32_POINTER),
+            ("DELTA", F32_POINTER),
+            ("dq_desc", Arg("nvmma_desc", "HALF_BLOCK_M")),
+            *PROBLEM_ARGS,
+        ),
+        constexprs=(("GROUP", 1),),
+        enabled_by="sm90_dq",
+        language="gluon",
+        capabilities=(90,),
+    ),
 )
 
 
@@ -330,10 +365,12 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         ("sm90_fp8_num_warps", 4, "each consumer is one warpgroup"),
         ("sm90_dkdv_block_n", 128, "two consumer warpgroups of 64 keys, wgmma's tile height"),
         ("sm90_dkdv_num_warps", 4, "each consumer is one warpgroup"),
+        ("sm90_dq_block_m", 128, "two consumer warpgroups of 64 rows, wgmma's tile height"),
+        ("sm90_dq_num_warps", 4, "each consumer is one warpgroup"),
     ):
         if key in table and table[key] != value:
             report(f"triton {key} must be {value} ({why}), got {table[key]}", key)
-    for key in ("sm90_forward", "sm90_backward", "sm90_fp8"):
+    for key in ("sm90_forward", "sm90_backward", "sm90_dq", "sm90_fp8"):
         if key in table and table[key] not in (0, 1):
             report(f"triton {key} must be 0 or 1, got {table[key]}", key)
         if table.get(key) and shape is not None and shape.dtype == "float32":
@@ -349,6 +386,15 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     # and bf16 with heads wider than 64. At 64 it only ties, and loses below 4k keys.
     config.setdefault("sm90_forward", int(shape.dtype != "float32" and shape.widest > 64))
     config.setdefault("sm90_backward", int(shape.dtype != "float32" and shape.widest > 64))
+    config.setdefault("sm90_dq", int(config["sm90_backward"] and _sm90_dq_fits(config, shape)))
+    if table.get("sm90_dq") and not _sm90_dq_fits(config, shape):
+        report(
+            f"triton sm90_dq: the Hopper dQ kernel's tiles need more than sm90's {SM90_SHARED_BYTES // 1024} KiB of "
+            f"shared memory at head dims {shape.head_dim} / {shape.head_dim_v}",
+            "sm90_dq",
+            "fewer sm90_dq_num_stages or a smaller sm90_dq_block_n, or sm90_dq = 0",
+        )
+        return None
     # FP8 has no other kernel: on for every head dim, its output in the spec's dtype.
     config.setdefault("sm90_fp8", int(shape.dtype != "float32"))
     # K and V tiles of 128 keys fit the ring for head dims up to 128; wider heads take 64 keys.
@@ -365,6 +411,19 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     if table.keys() & set(TILE_KEYS) and not any(k.startswith("short_") for k in table):
         config["short_kv_len"] = 0
     return TritonConfig(**config)
+
+
+# Shared memory a block may use on sm90 (H100, H200).
+SM90_SHARED_BYTES = 227 * 1024
+
+
+def _sm90_dq_fits(config: dict[str, int], shape: ProblemShape) -> bool:
+    """Whether the Hopper dQ kernel's tiles fit sm90's shared memory: Q, dO and O of its queries,
+    and its ring of K/V tiles, all of 16-bit elements (heads of 256 do not fit)."""
+    keys = ("sm90_dq_block_m", "sm90_dq_block_n", "sm90_dq_num_stages")
+    rows, step, stages = (config.get(key, getattr(TritonConfig, key)) for key in keys)
+    d, dv = (1 << (n - 1).bit_length() for n in (shape.head_dim, shape.head_dim_v))  # padded to powers of two
+    return 2 * (rows * (d + 2 * dv) + stages * step * (d + dv)) <= SM90_SHARED_BYTES
 
 
 def tensor_args(name: str, rank: int) -> tuple[str, ...]:

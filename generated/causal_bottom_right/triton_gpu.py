@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.causal_bottom_right_aa2cb6e9a229_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.causal_bottom_right_219fa5e6b68f_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -122,6 +122,12 @@ SM90_DKDV_BLOCK_M = 64
 SM90_DKDV_BLOCK_N = 128
 SM90_DKDV_NUM_WARPS = 4
 SM90_DKDV_NUM_STAGES = 2
+# Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program in two consumer warpgroups, SM90_DQ_BLOCK_N keys per step.
+SM90_DQ = 1
+SM90_DQ_BLOCK_M = 128
+SM90_DQ_BLOCK_N = 64
+SM90_DQ_NUM_WARPS = 4
+SM90_DQ_NUM_STAGES = 2
 # The Triton kernels' tiles on NVIDIA GPUs without TMA (sm80, sm89), where mma.sync holds its operands
 # in registers and the tiles above spill: at most 64 rows over 8 warps, dK/dV steps of 16 queries (no
 # spill on sm80 for any spec in specs/; not timed). (block_m, block_n, num_warps, num_stages) by prefix.
@@ -1587,6 +1593,203 @@ def _attention_bwd_dkdv_sm90(
     )
 
 
+# ---------------------------------------------------------------------------- Hopper (sm90) dQ
+# One program holds a block of queries (half of it per consumer warpgroup, with its dQ in
+# registers) and walks the kv blocks it sees; a loader warp brings the block's Q, dO and O once and
+# streams each kv block's K and V through a ring of shared-memory buffers with TMA. The three
+# products of the dQ step run as asynchronous wgmma: S = Q K^T and dP = dO V^T together, then
+# dQ += dS K with dS straight from registers. Each consumer also works out its rows' delta for the
+# dK/dV kernel. The warpgroups never wait for each other, so one's softmax runs under the other's
+# products. Same tile bounds, mask and score as _attention_bwd_dq; trained params' gradients are
+# gathered by that kernel only, which serves the calls that want them (_backward).
+
+
+@gluon.jit
+def _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The kv blocks that this q block sees: the runs of the tile bounds."""
+    q_last = gl.minimum(q_first + BLOCK_M, q_len) - 1
+    kv_lo = 0
+    kv_hi = floordiv(tl.minimum(BLOCK_N + kv_len - 1, tl.maximum(BLOCK_N - 1, BLOCK_N + kv_len + q_last - q_len)), BLOCK_N)
+    full_lo = tl.minimum(kv_hi, kv_lo)
+    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, tl.maximum(0, kv_len + q_first - q_len + 1)) // BLOCK_N))
+    return kv_lo, kv_hi, full_lo, full_hi
+
+
+@gluon.jit
+def _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h_kv, block_lo, block_hi, it,
+                      STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Stream the K and V tiles of one run of kv blocks into the ring; `it` counts ring slots used."""
+    for block in range(block_lo, block_hi):
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), (it // STAGES) & 1 ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, block * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, block * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _sm90_dq_loader(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready,
+                    empty, b, h, q_block, q_first, q_len, kv_len, GROUP: gl.constexpr,
+                    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The loader warp: each consumer's half of Q, dO and O, then K and V of every kv block in order."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    mbarrier.expect(q_ready, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes))
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [b, h, q_first + half * ROWS, 0], q_ready, q_smem.index(half))
+        tma.async_copy_global_to_shared(do_desc, [b, h, q_first + half * ROWS, 0], q_ready, do_smem.index(half))
+        tma.async_copy_global_to_shared(o_desc, [b, h, q_first + half * ROWS, 0], q_ready, o_smem.index(half))
+    kv_lo, kv_hi, full_lo, full_hi = _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, BLOCK_M, BLOCK_N)
+    it = gl.to_tensor(0)  # (a tensor: the kv loops carry it)
+    it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, kv_lo, full_lo, it, STAGES, BLOCK_N)
+    it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, full_lo, full_hi, it, STAGES, BLOCK_N)
+    it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, full_hi, kv_hi, it, STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+                         block_lo, block_hi, q_idx, b, h, q_len, kv_len, scale,
+                         MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One consumer warpgroup's dQ contributions from one run of kv blocks (P from the LSE)."""
+    ROWS: gl.constexpr = q_tile.shape[0]
+    BLOCK_D: gl.constexpr = q_tile.shape[1]
+    BLOCK_DV: gl.constexpr = do_tile.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    for block in range(block_lo, block_hi):
+        slot = it % STAGES
+        k_tile = k_smem.index(slot).reshape([BLOCK_N, BLOCK_D])
+        v_tile = v_smem.index(slot).reshape([BLOCK_N, BLOCK_DV])
+        kv_idx = gl.expand_dims(block * BLOCK_N + gl.arange(0, BLOCK_N, cols), 0)
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        # S = Q K^T and dP = dO V^T, [queries, keys]: issued together, S waited first.
+        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, q_tile, k_tile))[0]
+        p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale), lse)
+        if MASKED:
+            p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len), p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, do_tile, v_tile))[0]
+        ds = p * (dp - delta)
+        # dQ += dS K, with dS as the register operand.
+        ds_op = gl.convert_layout(ds.to(k_tile.dtype), ds_operand)
+        dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ds_op, k_tile))[0]
+        mbarrier.arrive(empty.index(slot), count=1)
+        it += 1
+    return dq, it
+
+
+@gluon.jit
+def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready, empty,
+                      b, h, bh, q_block, q_first, q_len, kv_len, scale,
+                      HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A consumer warpgroup: queries [HALF * ROWS, (HALF + 1) * ROWS) of the block, over every kv block they see."""
+    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+    ROWS: gl.constexpr = BLOCK_M // 2
+    BLOCK_D: gl.constexpr = q_smem.shape[4]
+    BLOCK_DV: gl.constexpr = do_smem.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # O and dO as 8 consecutive columns a thread, for delta's row sums.
+    row_major: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    # The bounds of the whole q block, as the loader walks them (this half's queries are masked).
+    kv_lo, kv_hi, full_lo, full_hi = _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, BLOCK_M, BLOCK_N)
+    q_first = q_first + HALF * ROWS
+    offs_m = q_first + gl.arange(0, ROWS, rows)
+    q_idx = gl.expand_dims(offs_m, 1)
+    at = bh.to(gl.int64) * q_len + offs_m  # this head's entries of LSE, dLSE and delta
+    lse = gl.load(LSE + at, mask=offs_m < q_len, other=0.0)
+    q_tile = q_smem.index(HALF).reshape([ROWS, BLOCK_D])
+    do_tile = do_smem.index(HALF).reshape([ROWS, BLOCK_DV])
+    mbarrier.wait(q_ready, 0)
+    # delta = rowsum(dO * O) - dLSE (see _attention_bwd_dq), stored for the dK/dV kernel.
+    o = o_smem.index(HALF).reshape([ROWS, BLOCK_DV]).load(row_major).to(gl.float32)
+    do = do_tile.load(row_major).to(gl.float32)
+    delta = gl.convert_layout(gl.sum(o * do, 1), rows) - gl.load(DLSE + at, mask=offs_m < q_len, other=0.0)
+    gl.store(DELTA + at, delta, mask=offs_m < q_len)
+
+    dq = gl.zeros([ROWS, BLOCK_D], gl.float32, dq_layout)
+    lse = gl.expand_dims(lse, 1)
+    delta = gl.expand_dims(delta, 1)
+    it = gl.to_tensor(0)  # (a tensor: the kv loops carry it)
+    dq, it = _sm90_dq_consume_run(
+        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+        kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, True, STAGES, BLOCK_N,
+    )
+    dq, it = _sm90_dq_consume_run(
+        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+        full_lo, full_hi, q_idx, b, h, q_len, kv_len, scale, False, STAGES, BLOCK_N,
+    )
+    dq, it = _sm90_dq_consume_run(
+        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+        full_hi, kv_hi, q_idx, b, h, q_len, kv_len, scale, True, STAGES, BLOCK_N,
+    )
+    # Out through Q's buffer, which no product reads any more (each was waited for); TMA drops the
+    # rows past q_len.
+    dq_tile = q_smem.index(HALF)
+    dq_tile.reshape([ROWS, BLOCK_D]).store((dq * scale).to(dq_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, q_first, 0], dq_tile)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["q_len", "kv_len"])
+def _attention_bwd_dq_sm90(
+    q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc,
+    num_heads, q_len, kv_len, scale,
+    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """dQ of one q block of one head, and its rows of delta, as _attention_bwd_dq."""
+    q_block = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest first, as in the forward
+    bh = gl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    q_first = q_block * BLOCK_M
+    ROWS: gl.constexpr = BLOCK_M // 2
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=2)  # released by both consumers
+
+    gl.warp_specialize(
+        [
+            (
+                _sm90_dq_consumer,
+                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready, empty,
+                 b, h, bh, q_block, q_first, q_len, kv_len, scale, 0, STAGES, BLOCK_M, BLOCK_N),
+            ),
+            (
+                _sm90_dq_consumer,
+                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready, empty,
+                 b, h, bh, q_block, q_first, q_len, kv_len, scale, 1, STAGES, BLOCK_M, BLOCK_N),
+            ),
+            (
+                _sm90_dq_loader,
+                (q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready,
+                 empty, b, h, q_block, q_first, q_len, kv_len, GROUP, STAGES, BLOCK_M, BLOCK_N),
+            ),
+        ],
+        [4, 1],  # warps: the second consumer, the loader
+        [240, 24],  # registers per thread: the second consumer, the loader
+    )
+
+
 def _tma_ready(t):
     """t, or a contiguous copy of it: the hardware (TMA) needs a 16-byte aligned base and strides.
 
@@ -1756,24 +1959,48 @@ def _transpose_keys(V, VT, kv_heads, kv_len, stride_b, stride_h, stride_s, t_str
     tl.store(target, tl.trans(tile), mask=(cols[:, None] < 128) & (columns[None, :] < padded))
 
 
+def _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
+    """The dQ kernel's launch: dq, and delta for the dK/dV kernel."""
+    batch, heads, q_len, _ = q.shape
+    group, kv_len = heads // k.shape[1], k.shape[2]
+    block_m, block_n, warps, stages = _tiles("DQ_", q.device)
+    _attention_bwd_dq[(_cdiv(q_len, block_m), batch * heads)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV),
+        _descriptor(out, block_m, BLOCK_DV), _descriptor(dout, block_m, BLOCK_DV), lse, dlse.float().contiguous(), delta,
+        _descriptor(dq, block_m),
+        heads, q_len, kv_len, scale, *params, GROUP=group,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
+    """The same on Hopper: the Gluon dQ kernel."""
+    batch, heads, q_len, _ = q.shape
+    group, kv_len = heads // k.shape[1], k.shape[2]
+    block_m, block_n, warps, stages = _tiles("SM90_DQ_", q.device)
+    _attention_bwd_dq_sm90[(_cdiv(q_len, block_m), batch * heads)](
+        _nvmma_descriptor(q, block_m // 2), _nvmma_descriptor(k, block_n), _nvmma_descriptor(v, block_n, BLOCK_DV),
+        _nvmma_descriptor(out, block_m // 2, BLOCK_DV), _nvmma_descriptor(dout, block_m // 2, BLOCK_DV), lse,
+        dlse.float().contiguous(), delta, _nvmma_descriptor(dq, block_m // 2),
+        heads, q_len, kv_len, scale, *params, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
+    )
+
+
 def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     """(dq, dk, dv) given the gradients of out and lse (FlashAttention-2: P recomputed from lse)."""
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
-    dq_block_m, dq_block_n, dq_warps, dq_stages = _tiles("DQ_", q.device)
     delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_()
-    grid = (_cdiv(q_len, dq_block_m), batch * heads)
-    _attention_bwd_dq[grid](
-        _descriptor(q, dq_block_m), _descriptor(k, dq_block_n), _descriptor(v, dq_block_n, BLOCK_DV),
-        _descriptor(out, dq_block_m, BLOCK_DV), _descriptor(dout, dq_block_m, BLOCK_DV), lse, dlse.float().contiguous(), delta,
-        _descriptor(dq, dq_block_m),
-        heads, q_len, kv_len, scale, *params, GROUP=group,
-        BLOCK_M=dq_block_m, BLOCK_N=dq_block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
-        num_warps=dq_warps, num_stages=dq_stages,
-    )
+    # The Hopper dQ kernel, unless trained params want gradients (the Triton dQ kernel gathers them).
+    if _runs_sm90(q, SM90_DQ):
+        _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params)
+    else:
+        _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params)
     hopper = _runs_sm90(q, SM90_BACKWARD)
     block_m, block_n, warps, stages = _tiles("SM90_DKDV_" if hopper else "DKDV_", q.device)
     kv_heads, kv_blocks = heads // group, _cdiv(kv_len, block_n)
@@ -1849,7 +2076,7 @@ def _sm_count(device):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "causal_bottom_right_aa2cb6e9a229"
+_OP = "causal_bottom_right_219fa5e6b68f"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -1880,7 +2107,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = torch.ops.attngen.causal_bottom_right_aa2cb6e9a229_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.causal_bottom_right_219fa5e6b68f_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -1928,7 +2155,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.causal_bottom_right_aa2cb6e9a229_fwd if torch.compiler.is_compiling() else _Attention.apply
+    run = torch.ops.attngen.causal_bottom_right_219fa5e6b68f_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out

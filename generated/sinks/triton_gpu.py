@@ -9,7 +9,7 @@ dtype: bfloat16, head_dim: 64
 tiles: 128 queries x 64 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.sinks_4c3ec80e4600_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.sinks_33e263f8bb4f_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -132,6 +132,12 @@ SM90_DKDV_BLOCK_M = 64
 SM90_DKDV_BLOCK_N = 128
 SM90_DKDV_NUM_WARPS = 4
 SM90_DKDV_NUM_STAGES = 2
+# Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program in two consumer warpgroups, SM90_DQ_BLOCK_N keys per step.
+SM90_DQ = 0
+SM90_DQ_BLOCK_M = 128
+SM90_DQ_BLOCK_N = 64
+SM90_DQ_NUM_WARPS = 4
+SM90_DQ_NUM_STAGES = 2
 # The Triton kernels' tiles on NVIDIA GPUs without TMA (sm80, sm89), where mma.sync holds its operands
 # in registers and the tiles above spill: at most 64 rows over 8 warps, dK/dV steps of 16 queries (no
 # spill on sm80 for any spec in specs/; not timed). (block_m, block_n, num_warps, num_stages) by prefix.
@@ -1590,28 +1596,34 @@ def _transpose_keys(V, VT, kv_heads, kv_len, stride_b, stride_h, stride_s, t_str
     tl.store(target, tl.trans(tile), mask=(cols[:, None] < 64) & (columns[None, :] < padded))
 
 
+def _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
+    """The dQ kernel's launch: dq, and delta for the dK/dV kernel."""
+    batch, heads, q_len, _ = q.shape
+    group, kv_len = heads // k.shape[1], k.shape[2]
+    block_m, block_n, warps, stages = _tiles("DQ_", q.device)
+    _attention_bwd_dq[(_cdiv(q_len, block_m), batch * heads)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV),
+        _descriptor(out, block_m, BLOCK_DV), _descriptor(dout, block_m, BLOCK_DV), lse, dlse.float().contiguous(), delta,
+        _descriptor(dq, block_m),
+        heads, q_len, kv_len, scale, *params, GROUP=group,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
+        num_warps=warps, num_stages=stages,
+    )
+
+
 def _backward(dout, dlse, q, k, v, out, lse, scale, params, train=True):
     """(dq, dk, dv, d sinks) given the gradients of out and lse (FlashAttention-2: P recomputed from lse).
     train=False: no trained param wants a gradient, so theirs are skipped (and returned empty)."""
     params = _kernel_params(params)
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
-    dq_block_m, dq_block_n, dq_warps, dq_stages = _tiles("DQ_", q.device)
     delta = torch.empty_like(lse)  # written by the dQ kernel, read by the dK/dV kernel and _sink_grad
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     grad_buffers = ()
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
         delta = -dlse.float()  # no key: the output is 0
         return dq.zero_(), dk.zero_(), dv.zero_(), *_trained_grads(lse, delta, params, grad_buffers, train)
-    grid = (_cdiv(q_len, dq_block_m), batch * heads)
-    _attention_bwd_dq[grid](
-        _descriptor(q, dq_block_m), _descriptor(k, dq_block_n), _descriptor(v, dq_block_n, BLOCK_DV),
-        _descriptor(out, dq_block_m, BLOCK_DV), _descriptor(dout, dq_block_m, BLOCK_DV), lse, dlse.float().contiguous(), delta,
-        _descriptor(dq, dq_block_m),
-        heads, q_len, kv_len, scale, *params, GROUP=group,
-        BLOCK_M=dq_block_m, BLOCK_N=dq_block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
-        num_warps=dq_warps, num_stages=dq_stages,
-    )
+    _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params)
     block_m, block_n, warps, stages = _tiles("DKDV_", q.device)
     kv_heads, kv_blocks = heads // group, _cdiv(kv_len, block_n)
     splits = _group_splits(group, batch * kv_heads * kv_blocks, q.device)
@@ -1731,7 +1743,7 @@ def _kernel_params(params):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "sinks_4c3ec80e4600"
+_OP = "sinks_33e263f8bb4f"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -1767,7 +1779,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         if dlse is None:
             dlse = torch.zeros_like(lse)
         train = _trains(ctx.needs_input_grad)
-        dq, dk, dv, *trained = torch.ops.attngen.sinks_4c3ec80e4600_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
+        dq, dk, dv, *trained = torch.ops.attngen.sinks_33e263f8bb4f_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
         return dq, dk, dv, None, *_param_grads(ctx.params, trained, train)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -1821,7 +1833,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.sinks_4c3ec80e4600_fwd if torch.compiler.is_compiling() else _Attention.apply
+    run = torch.ops.attngen.sinks_33e263f8bb4f_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
