@@ -77,7 +77,8 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
         return config.sm90_forward, *backward.values()
 
     assert enabled(128, "bfloat16") == enabled(128, "float16") == (1, 1, 1)
-    assert enabled(64, "bfloat16") == (0, 0, 0)  # a tie with the Triton forward at best (BENCHMARKS.md)
+    assert enabled(64, "bfloat16") == (1, 1, 1)
+    assert enabled(32, "bfloat16") == (0, 0, 0)  # not measured
     assert enabled(128, "float32") == (0, 0, 0)  # wgmma takes no float32 inputs
     # Heads of 256: the dQ kernel's Q, dO and O beside its K/V ring pass sm90's shared memory.
     assert enabled(256, "bfloat16") == (1, 0, 1)
@@ -94,6 +95,14 @@ def test_calls_of_short_programs_take_the_triton_forward():
     assert module._sm90_keys_seen(1000, 1000, 4096) == 4 * 128  # rows 384..511 see keys 0..511
     local = harness.load_target(load_spec("specs/local_window.toml"), "triton_gpu")
     assert local._sm90_keys_seen(16384, 16384, 512, 512) == 9 * 128  # rows 8192..8319 see keys 7680..8831
+    # Heads of 64: the Triton forward wins causal 1k, whose middle row block sees 640 keys, and loses
+    # full 1k (1024 keys a program).
+    narrow = {
+        name: harness.load_target(retarget(load_spec(f"specs/{name}.toml"), 64, "bfloat16"), "triton_gpu")
+        for name in ("causal", "full")
+    }
+    assert narrow["causal"].SM90_FORWARD_MIN_KEYS == narrow["full"].SM90_FORWARD_MIN_KEYS == 896
+    assert narrow["causal"]._sm90_keys_seen(1024, 1024) == 640 and narrow["full"]._sm90_keys_seen(1024, 1024) == 1024
     # Bounds from tables built at run time (a mask that reads tensors, a packed form) are not host
     # code: there the Hopper forward serves every call.
     document = with_config(load_spec("specs/document.toml"), "triton_gpu", sm90_forward_min_keys=2048)

@@ -82,7 +82,8 @@ class TritonConfig:
     # keys, by the forward's tile bounds at the call's lengths and params (0: every call; so does a
     # mask that reads tensors, whose bounds come from tables built at run time). With a
     # window of 1024 the Triton forward's 64 x 64 tiles ran 1.21x as fast as the Hopper forward,
-    # with one of 4096 the Hopper forward 1.13x as fast (H200, BENCHMARKS.md, 2026-12-03).
+    # with one of 4096 the Hopper forward 1.13x as fast (H200, BENCHMARKS.md, 2026-12-03). Heads of
+    # 64 default to 896 (make_config).
     sm90_forward_min_keys: int = 0
     # The same kernel over FP8 e4m3 inputs (attention_fp8, Hopper only): its own tiles, as FP8 halves
     # the bytes of a K/V tile. sm90_fp8 = 0 leaves attention_fp8 out of the module.
@@ -382,10 +383,16 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     if report.count or shape is None:  # (no shape: a spec with other problems; values checked only)
         return None
     config = {**default_config(shape.widest, shape.dtype), **table}
-    # On by default where it is measured faster than the Triton forward (BENCHMARKS.md, H200): fp16
-    # and bf16 with heads wider than 64. At 64 it only ties, and loses below 4k keys.
-    config.setdefault("sm90_forward", int(shape.dtype != "float32" and shape.widest > 64))
-    config.setdefault("sm90_backward", int(shape.dtype != "float32" and shape.widest > 64))
+    # On by default where they are measured faster than the Triton kernels (BENCHMARKS.md, H200): fp16
+    # and bf16 with heads of 64 and wider. At 64 the backward runs 1.05-1.17x the Triton one from 4k
+    # keys (a tie at 1k), the forward 1.03-1.10x from 4k keys and 1.06x at full 1k, but 0.71x at causal
+    # 1k, whose middle row block sees 640 keys: there calls whose programs see at most 896 keys take
+    # the Triton forward.
+    hopper = shape.dtype != "float32" and shape.widest >= 64
+    config.setdefault("sm90_forward", int(hopper))
+    config.setdefault("sm90_backward", int(hopper))
+    if shape.widest <= 64:
+        config.setdefault("sm90_forward_min_keys", 896)
     config.setdefault("sm90_dq", int(config["sm90_backward"] and _sm90_dq_fits(config, shape)))
     if table.get("sm90_dq") and not _sm90_dq_fits(config, shape):
         report(

@@ -9,7 +9,7 @@ dtype: bfloat16, head_dim: 64
 tiles: 128 queries x 64 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.sinks_33e263f8bb4f_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.sinks_8329661f4002_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -115,7 +115,7 @@ DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # Forward on Hopper (Gluon): SM90_BLOCK_M queries per program in two consumer warpgroups, SM90_BLOCK_N keys per step.
-SM90_FORWARD = 0
+SM90_FORWARD = 1
 SM90_BLOCK_M = 128
 SM90_BLOCK_N = 128
 SM90_NUM_WARPS = 4
@@ -127,13 +127,13 @@ SM90_FP8_BLOCK_N = 128
 SM90_FP8_NUM_WARPS = 4
 SM90_FP8_NUM_STAGES = 2
 # Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program in two consumer warpgroups, SM90_DKDV_BLOCK_M queries per step.
-SM90_BACKWARD = 0
+SM90_BACKWARD = 1
 SM90_DKDV_BLOCK_M = 64
 SM90_DKDV_BLOCK_N = 128
 SM90_DKDV_NUM_WARPS = 4
 SM90_DKDV_NUM_STAGES = 2
 # Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program in two consumer warpgroups, SM90_DQ_BLOCK_N keys per step.
-SM90_DQ = 0
+SM90_DQ = 1
 SM90_DQ_BLOCK_M = 128
 SM90_DQ_BLOCK_N = 64
 SM90_DQ_NUM_WARPS = 4
@@ -164,6 +164,10 @@ SM90_PERSISTENT = 0
 # 0.65-1.15x a program per tile, full 1k 0.75-1.07x; BENCHMARKS.md, 2026-12-02), not yet understood.
 SM90_DYNAMIC = 0
 SM90_L2_BYTES = 32 * 1024 * 1024
+# A call whose forward programs would see at most this many keys (_sm90_keys_seen) runs the Triton
+# forward: short programs pay the Hopper forward's setup over few kv blocks (the spec's
+# sm90_forward_min_keys; measured in BENCHMARKS.md).
+SM90_FORWARD_MIN_KEYS = 896
 # GQA and MQA: the dK/dV grid grows to this many programs per SM by splitting query-head groups
 # (see _group_splits; BENCHMARKS.md has the sweep behind it).
 PROGRAMS_PER_SM = 4
@@ -1429,6 +1433,429 @@ def _attention_fwd_sm90(
     )
 
 
+# ---------------------------------------------------------------------------- Hopper (sm90) dK/dV
+# One program holds a block of keys (half of it per consumer warpgroup, with its dK and dV in
+# registers) and walks the q blocks that see it; a loader warp streams each q block's Q and dO
+# through a ring of shared-memory buffers with TMA, and its LSE and delta beside them. The five
+# products of the dK/dV step run as asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T together,
+# then dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from registers. Same tile bounds, mask and score as _attention_bwd_dkdv.
+
+
+@gluon.jit
+def _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, param_sinks, param_sinks_size0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The q blocks that see this kv block, for query head h: the runs of the tile bounds."""
+    kv_last = gl.minimum(kv_first + BLOCK_N, kv_len) - 1
+    q_lo = kv_first // BLOCK_M
+    q_hi = floordiv(BLOCK_M + q_len - 1, BLOCK_M)
+    q_full_lo = tl.minimum(q_hi, tl.maximum(q_lo, floordiv(BLOCK_M + kv_last - 1, BLOCK_M)))
+    q_full_hi = tl.minimum(q_hi, tl.maximum(q_full_lo, q_len // BLOCK_M))
+    return q_lo, q_hi, q_full_lo, q_full_hi
+
+
+@gluon.jit
+def _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, lse_row, delta_row,
+                        block_lo, block_hi, it, q_len, STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Stream the Q and dO tiles of one run of q blocks into the ring, and their rows of LSE and
+    delta (0 past q_len): a slot is ready when both TMA copies have landed and the rows are
+    stored (its barrier's two arrivals). `it` counts ring slots used."""
+    entries: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # a row over the loader's one warp
+    for block in range(block_lo, block_hi):
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), (it // STAGES) & 1 ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, block * BLOCK_M, 0], ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [b, h, block * BLOCK_M, 0], ready.index(slot), do_smem.index(slot))
+        offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, entries)
+        lse_smem.index(slot).store(gl.load(lse_row + offs_m, mask=offs_m < q_len, other=0.0))
+        delta_smem.index(slot).store(gl.load(delta_row + offs_m, mask=offs_m < q_len, other=0.0))
+        mbarrier.arrive(ready.index(slot), count=1)
+        it += 1
+    return it
+
+
+@gluon.jit
+def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                      kv_ready, ready, empty, b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, param_sinks, param_sinks_size0,
+                      GROUP: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The loader warp: each consumer's half of K and V, then Q, dO, LSE and delta of every q block in order."""
+    ROWS: gl.constexpr = BLOCK_N // 2
+    mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, kv_first + half * ROWS, 0], kv_ready, k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, kv_first + half * ROWS, 0], kv_ready, v_smem.index(half))
+    it = 0
+    for g in range(GROUP // SPLITS):
+        h = part * (GROUP // SPLITS) + g
+        q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, param_sinks, param_sinks_size0, BLOCK_M, BLOCK_N)
+        row = (b * num_heads + h).to(gl.int64) * q_len  # this head's first entry of LSE and delta
+        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
+                                 DELTA + row, q_lo, q_full_lo, it, q_len, STAGES, BLOCK_M)
+        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
+                                 DELTA + row, q_full_lo, q_full_hi, it, q_len, STAGES, BLOCK_M)
+        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
+                                 DELTA + row, q_full_hi, q_hi, it, q_len, STAGES, BLOCK_M)
+
+
+@gluon.jit
+def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
+                           b, h, block_lo, block_hi, kv_idx, q_len, kv_len, scale, param_sinks, param_sinks_size0,
+                           MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE)."""
+    ROWS: gl.constexpr = k_tile.shape[0]
+    BLOCK_D: gl.constexpr = k_tile.shape[1]
+    BLOCK_DV: gl.constexpr = v_tile.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dv_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=2)
+    dk_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
+    for block in range(block_lo, block_hi):
+        slot = it % STAGES
+        q_tile = q_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
+        do_tile = do_smem.index(slot).reshape([BLOCK_M, BLOCK_DV])
+        offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, cols)
+        q_idx = gl.expand_dims(offs_m, 0)
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        # LSE and delta from shared memory, read where they are used: loaded from global memory here,
+        # they were held in registers across the products (16 of each a thread) and made the
+        # consumers spill (80-384 bytes a thread; BENCHMARKS.md, 2026-12-03).
+        lse = lse_smem.index(slot).load(cols)
+        # S^T = K Q^T and dP^T = V dO^T, [keys, queries]: issued together, S^T waited first.
+        qk = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, k_tile, q_tile))[0]
+        p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_sinks, param_sinks_size0), gl.expand_dims(lse, 0))
+        if MASKED:
+            p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_sinks, param_sinks_size0), p, 0.0)
+        delta = delta_smem.index(slot).load(cols)
+        dp = warpgroup_mma_wait(0, deps=(dp, v_tile, do_tile))[0]
+        ds = p * (dp - gl.expand_dims(delta, 0))
+        # dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register operands.
+        p_op = gl.convert_layout(p.to(do_tile.dtype), dv_operand)
+        ds_op = gl.convert_layout(ds.to(q_tile.dtype), dk_operand)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, do_tile, q_tile))[:2]
+        mbarrier.arrive(empty.index(slot), count=1)
+        it += 1
+    return dk, dv, it
+
+
+@gluon.jit
+def _sm90_dkdv_consumer(dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
+                        b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale, param_sinks, param_sinks_size0,
+                        HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
+    """A consumer warpgroup: keys [HALF * ROWS, (HALF + 1) * ROWS) of the block, over every q block that sees them."""
+    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+    ROWS: gl.constexpr = BLOCK_N // 2
+    BLOCK_D: gl.constexpr = k_smem.shape[4]
+    BLOCK_DV: gl.constexpr = v_smem.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_DV, 16])
+
+    kv_first = kv_first + HALF * ROWS
+    kv_idx = gl.expand_dims(kv_first + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)), 1)
+    k_tile = k_smem.index(HALF).reshape([ROWS, BLOCK_D])
+    v_tile = v_smem.index(HALF).reshape([ROWS, BLOCK_DV])
+    dk = gl.zeros([ROWS, BLOCK_D], gl.float32, dk_layout)
+    dv = gl.zeros([ROWS, BLOCK_DV], gl.float32, dv_layout)
+    mbarrier.wait(kv_ready, 0)
+    it = 0
+    for g in range(GROUP // SPLITS):
+        h = part * (GROUP // SPLITS) + g
+        # The bounds of the whole kv block, as the loader walks them (this half's keys are masked).
+        q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first - HALF * ROWS, q_len, kv_len, param_sinks, param_sinks_size0, BLOCK_M, BLOCK_N)
+        dk, dv, it = _sm90_dkdv_consume_run(
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
+            b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_sinks, param_sinks_size0, True, STAGES, BLOCK_M,
+        )
+        dk, dv, it = _sm90_dkdv_consume_run(
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
+            b, h, q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, param_sinks, param_sinks_size0, False, STAGES, BLOCK_M,
+        )
+        dk, dv, it = _sm90_dkdv_consume_run(
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
+            b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, param_sinks, param_sinks_size0, True, STAGES, BLOCK_M,
+        )
+
+    # Plain stores, in the accumulators' layout (float32 parts, or the gradients' dtype): keys past
+    # kv_len and columns past the head dim are dropped.
+    _sm90_store_rows(dk_ptr, dk * scale, kv_first, kv_len, HEAD_DIM)
+    _sm90_store_rows(dv_ptr, dv, kv_first, kv_len, HEAD_DIM_V)
+
+
+@gluon.jit
+def _sm90_store_rows(ptr, tile, first, length, width: gl.constexpr):
+    """tile -> rows [first, first + rows) of a [length, width] row-major array, within its bounds."""
+    rows = first + gl.arange(0, tile.shape[0], gl.SliceLayout(1, tile.type.layout))
+    cols = gl.arange(0, tile.shape[1], gl.SliceLayout(0, tile.type.layout))
+    at = gl.expand_dims(rows.to(gl.int64), 1) * width + gl.expand_dims(cols, 0)
+    inside = gl.expand_dims(rows < length, 1) & gl.expand_dims(cols < width, 0)
+    gl.store(ptr + at, tile.to(ptr.dtype.element_ty), mask=inside)
+
+
+@gluon.jit(do_not_specialize=["q_len", "kv_len"])
+def _attention_bwd_dkdv_sm90(
+    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
+    num_heads, q_len, kv_len, scale, param_sinks, param_sinks_size0,
+    GROUP: gl.constexpr, SPLITS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr,
+):
+    """dK and dV of one kv block over the query heads of its group, or one of SPLITS parts of them
+    (then DK and DV are float32 partial sums, one row of heads per part), as _attention_bwd_dkdv."""
+    kv_block = gl.program_id(0)
+    kv_heads = num_heads // GROUP
+    b = gl.program_id(1) // (kv_heads * SPLITS)
+    part = gl.program_id(1) % (kv_heads * SPLITS)
+    h_kv = part // SPLITS
+    kv_first = kv_block * BLOCK_N
+    ROWS: gl.constexpr = BLOCK_N // 2
+    # This program's [kv_len, head_dim] rows of DK and DV (contiguous, allocated by _backward).
+    parts = (b * kv_heads * SPLITS + part).to(gl.int64) * kv_len
+    dk_ptr = DK + parts * HEAD_DIM
+    dv_ptr = DV + parts * HEAD_DIM_V
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_DV], do_desc.layout)
+    rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(ready.index(slot), count=2)  # the TMA copies', then the loader's once it stored LSE and delta
+        mbarrier.init(empty.index(slot), count=2)  # released by both consumers
+
+    gl.warp_specialize(
+        [
+            (
+                _sm90_dkdv_consumer,
+                (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
+                 b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale, param_sinks, param_sinks_size0,
+                 0, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V),
+            ),
+            (
+                _sm90_dkdv_consumer,
+                (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
+                 b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale, param_sinks, param_sinks_size0,
+                 1, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V),
+            ),
+            (
+                _sm90_dkdv_loader,
+                (q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                 kv_ready, ready, empty, b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, param_sinks, param_sinks_size0,
+                 GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N),
+            ),
+        ],
+        [4, 1],  # warps: the second consumer, the loader
+        [240, 24],  # registers per thread: the second consumer, the loader
+    )
+
+
+# ---------------------------------------------------------------------------- Hopper (sm90) dQ
+# One program holds a block of queries (half of it per consumer warpgroup, with its dQ in
+# registers) and walks the kv blocks it sees; a loader warp brings the block's Q, dO and O once and
+# streams each kv block's K and V through a ring of shared-memory buffers with TMA. The three
+# products of the dQ step run as asynchronous wgmma: S = Q K^T and dP = dO V^T together, then
+# dQ += dS K with dS straight from registers. Each consumer also works out its rows' delta for the
+# dK/dV kernel. The warpgroups never wait for each other, so one's softmax runs under the other's
+# products. Same tile bounds, mask and score as _attention_bwd_dq; trained params' gradients are
+# gathered by that kernel only, which serves the calls that want them (_backward).
+
+
+@gluon.jit
+def _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, param_sinks, param_sinks_size0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The kv blocks that this q block sees: the runs of the tile bounds."""
+    q_last = gl.minimum(q_first + BLOCK_M, q_len) - 1
+    kv_lo = 0
+    kv_hi = floordiv(tl.minimum(BLOCK_N + q_last, BLOCK_N + kv_len - 1), BLOCK_N)
+    full_lo = tl.minimum(kv_hi, kv_lo)
+    full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, tl.minimum(kv_len, q_first + 1) // BLOCK_N))
+    return kv_lo, kv_hi, full_lo, full_hi
+
+
+@gluon.jit
+def _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h_kv, block_lo, block_hi, it,
+                      STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Stream the K and V tiles of one run of kv blocks into the ring; `it` counts ring slots used."""
+    for block in range(block_lo, block_hi):
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), (it // STAGES) & 1 ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, block * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, block * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _sm90_dq_loader(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready,
+                    empty, b, h, q_block, q_first, q_len, kv_len, param_sinks, param_sinks_size0, GROUP: gl.constexpr,
+                    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The loader warp: each consumer's half of Q, dO and O, then K and V of every kv block in order."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    mbarrier.expect(q_ready, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes))
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [b, h, q_first + half * ROWS, 0], q_ready, q_smem.index(half))
+        tma.async_copy_global_to_shared(do_desc, [b, h, q_first + half * ROWS, 0], q_ready, do_smem.index(half))
+        tma.async_copy_global_to_shared(o_desc, [b, h, q_first + half * ROWS, 0], q_ready, o_smem.index(half))
+    kv_lo, kv_hi, full_lo, full_hi = _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, param_sinks, param_sinks_size0, BLOCK_M, BLOCK_N)
+    it = gl.to_tensor(0)  # (a tensor: the kv loops carry it)
+    it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, kv_lo, full_lo, it, STAGES, BLOCK_N)
+    it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, full_lo, full_hi, it, STAGES, BLOCK_N)
+    it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, full_hi, kv_hi, it, STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+                         block_lo, block_hi, q_idx, b, h, q_len, kv_len, scale, param_sinks, param_sinks_size0,
+                         MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One consumer warpgroup's dQ contributions from one run of kv blocks (P from the LSE)."""
+    ROWS: gl.constexpr = q_tile.shape[0]
+    BLOCK_D: gl.constexpr = q_tile.shape[1]
+    BLOCK_DV: gl.constexpr = do_tile.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    for block in range(block_lo, block_hi):
+        slot = it % STAGES
+        k_tile = k_smem.index(slot).reshape([BLOCK_N, BLOCK_D])
+        v_tile = v_smem.index(slot).reshape([BLOCK_N, BLOCK_DV])
+        kv_idx = gl.expand_dims(block * BLOCK_N + gl.arange(0, BLOCK_N, cols), 0)
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        # S = Q K^T and dP = dO V^T, [queries, keys]: issued together, S waited first.
+        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, q_tile, k_tile))[0]
+        p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_sinks, param_sinks_size0), lse)
+        if MASKED:
+            p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_sinks, param_sinks_size0), p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, do_tile, v_tile))[0]
+        ds = p * (dp - delta)
+        # dQ += dS K, with dS as the register operand.
+        ds_op = gl.convert_layout(ds.to(k_tile.dtype), ds_operand)
+        dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ds_op, k_tile))[0]
+        mbarrier.arrive(empty.index(slot), count=1)
+        it += 1
+    return dq, it
+
+
+@gluon.jit
+def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready, empty,
+                      b, h, bh, q_block, q_first, q_len, kv_len, scale, param_sinks, param_sinks_size0,
+                      HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A consumer warpgroup: queries [HALF * ROWS, (HALF + 1) * ROWS) of the block, over every kv block they see."""
+    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+    ROWS: gl.constexpr = BLOCK_M // 2
+    BLOCK_D: gl.constexpr = q_smem.shape[4]
+    BLOCK_DV: gl.constexpr = do_smem.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # O and dO as 8 consecutive columns a thread, for delta's row sums.
+    row_major: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    # The bounds of the whole q block, as the loader walks them (this half's queries are masked).
+    kv_lo, kv_hi, full_lo, full_hi = _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, param_sinks, param_sinks_size0, BLOCK_M, BLOCK_N)
+    q_first = q_first + HALF * ROWS
+    offs_m = q_first + gl.arange(0, ROWS, rows)
+    q_idx = gl.expand_dims(offs_m, 1)
+    at = bh.to(gl.int64) * q_len + offs_m  # this head's entries of LSE, dLSE and delta
+    lse = gl.load(LSE + at, mask=offs_m < q_len, other=0.0)
+    q_tile = q_smem.index(HALF).reshape([ROWS, BLOCK_D])
+    do_tile = do_smem.index(HALF).reshape([ROWS, BLOCK_DV])
+    mbarrier.wait(q_ready, 0)
+    # delta = rowsum(dO * O) - dLSE (see _attention_bwd_dq), stored for the dK/dV kernel.
+    o = o_smem.index(HALF).reshape([ROWS, BLOCK_DV]).load(row_major).to(gl.float32)
+    do = do_tile.load(row_major).to(gl.float32)
+    delta = gl.convert_layout(gl.sum(o * do, 1), rows) - gl.load(DLSE + at, mask=offs_m < q_len, other=0.0)
+    gl.store(DELTA + at, delta, mask=offs_m < q_len)
+
+    dq = gl.zeros([ROWS, BLOCK_D], gl.float32, dq_layout)
+    lse = gl.expand_dims(lse, 1)
+    delta = gl.expand_dims(delta, 1)
+    it = gl.to_tensor(0)  # (a tensor: the kv loops carry it)
+    dq, it = _sm90_dq_consume_run(
+        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+        kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, param_sinks, param_sinks_size0, True, STAGES, BLOCK_N,
+    )
+    dq, it = _sm90_dq_consume_run(
+        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+        full_lo, full_hi, q_idx, b, h, q_len, kv_len, scale, param_sinks, param_sinks_size0, False, STAGES, BLOCK_N,
+    )
+    dq, it = _sm90_dq_consume_run(
+        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+        full_hi, kv_hi, q_idx, b, h, q_len, kv_len, scale, param_sinks, param_sinks_size0, True, STAGES, BLOCK_N,
+    )
+    # Out through Q's buffer, which no product reads any more (each was waited for); TMA drops the
+    # rows past q_len.
+    dq_tile = q_smem.index(HALF)
+    dq_tile.reshape([ROWS, BLOCK_D]).store((dq * scale).to(dq_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, q_first, 0], dq_tile)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["q_len", "kv_len"])
+def _attention_bwd_dq_sm90(
+    q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc,
+    num_heads, q_len, kv_len, scale, param_sinks, param_sinks_size0,
+    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """dQ of one q block of one head, and its rows of delta, as _attention_bwd_dq."""
+    q_block = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest first, as in the forward
+    bh = gl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    q_first = q_block * BLOCK_M
+    ROWS: gl.constexpr = BLOCK_M // 2
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=2)  # released by both consumers
+
+    gl.warp_specialize(
+        [
+            (
+                _sm90_dq_consumer,
+                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready, empty,
+                 b, h, bh, q_block, q_first, q_len, kv_len, scale, param_sinks, param_sinks_size0, 0, STAGES, BLOCK_M, BLOCK_N),
+            ),
+            (
+                _sm90_dq_consumer,
+                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready, empty,
+                 b, h, bh, q_block, q_first, q_len, kv_len, scale, param_sinks, param_sinks_size0, 1, STAGES, BLOCK_M, BLOCK_N),
+            ),
+            (
+                _sm90_dq_loader,
+                (q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready,
+                 empty, b, h, q_block, q_first, q_len, kv_len, param_sinks, param_sinks_size0, GROUP, STAGES, BLOCK_M, BLOCK_N),
+            ),
+        ],
+        [4, 1],  # warps: the second consumer, the loader
+        [240, 24],  # registers per thread: the second consumer, the loader
+    )
+
+
 def _tma_ready(t):
     """t, or a contiguous copy of it: the hardware (TMA) needs a 16-byte aligned base and strides.
 
@@ -1513,7 +1940,10 @@ def _forward(q, k, v, scale, params, descale=None):
         if out.numel() > 0:
             _forward_sm90(q, k, _fp8_transposed(v), out, lse, scale, params, descale)
         return out, lse
-    if out.numel() > 0:
+    # A negative scale takes the Triton forward, which flips q's sign (the Hopper one folds the scale into exp2).
+    if out.numel() > 0 and _runs_sm90(q, SM90_FORWARD) and scale >= 0 and _sm90_keys_seen(q_len, kv_len, *params) > SM90_FORWARD_MIN_KEYS:
+        _forward_sm90(q, k, v, out, lse, scale, params)
+    elif out.numel() > 0:
         block_m, block_n, warps, stages = _tiles("SHORT_" if kv_len <= SHORT_KV_LEN else "", q.device)
         grid = (_cdiv(q_len, block_m), batch * heads)
         _attention_fwd[grid](
@@ -1549,6 +1979,17 @@ def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
         BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, FP8=descale is not None,
         PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
     )
+
+
+def _sm90_keys_seen(q_len, kv_len, param_sinks, param_sinks_size0):
+    """The keys the Hopper forward's middle row block sees, by its tile bounds: at most
+    SM90_FORWARD_MIN_KEYS and the call's programs are short, which the Triton forward serves faster."""
+    BLOCK_M, BLOCK_N = SM90_BLOCK_M, SM90_BLOCK_N
+    q_first = q_len // 2 // BLOCK_M * BLOCK_M
+    q_last = min(q_first + BLOCK_M, q_len) - 1
+    kv_lo = 0
+    kv_hi = min(BLOCK_N + q_last, BLOCK_N + kv_len - 1) // BLOCK_N
+    return max(0, kv_hi - kv_lo) * BLOCK_N
 
 
 def _sm90_section_heads(batch_heads, group, kv_len, k):
@@ -1611,6 +2052,20 @@ def _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
     )
 
 
+def _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
+    """The same on Hopper: the Gluon dQ kernel."""
+    batch, heads, q_len, _ = q.shape
+    group, kv_len = heads // k.shape[1], k.shape[2]
+    block_m, block_n, warps, stages = _tiles("SM90_DQ_", q.device)
+    _attention_bwd_dq_sm90[(_cdiv(q_len, block_m), batch * heads)](
+        _nvmma_descriptor(q, block_m // 2), _nvmma_descriptor(k, block_n), _nvmma_descriptor(v, block_n, BLOCK_DV),
+        _nvmma_descriptor(out, block_m // 2, BLOCK_DV), _nvmma_descriptor(dout, block_m // 2, BLOCK_DV), lse,
+        dlse.float().contiguous(), delta, _nvmma_descriptor(dq, block_m // 2),
+        heads, q_len, kv_len, scale, *params, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
+    )
+
+
 def _backward(dout, dlse, q, k, v, out, lse, scale, params, train=True):
     """(dq, dk, dv, d sinks) given the gradients of out and lse (FlashAttention-2: P recomputed from lse).
     train=False: no trained param wants a gradient, so theirs are skipped (and returned empty)."""
@@ -1623,8 +2078,13 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params, train=True):
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
         delta = -dlse.float()  # no key: the output is 0
         return dq.zero_(), dk.zero_(), dv.zero_(), *_trained_grads(lse, delta, params, grad_buffers, train)
-    _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params)
-    block_m, block_n, warps, stages = _tiles("DKDV_", q.device)
+    # The Hopper dQ kernel, unless trained params want gradients (the Triton dQ kernel gathers them).
+    if _runs_sm90(q, SM90_DQ):
+        _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params)
+    else:
+        _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params)
+    hopper = _runs_sm90(q, SM90_BACKWARD)
+    block_m, block_n, warps, stages = _tiles("SM90_DKDV_" if hopper else "DKDV_", q.device)
     kv_heads, kv_blocks = heads // group, _cdiv(kv_len, block_n)
     splits = _group_splits(group, batch * kv_heads * kv_blocks, q.device)
     if splits > 1:  # each part of a group writes float32 partial sums, added up below
@@ -1633,6 +2093,18 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params, train=True):
     else:
         dk_parts, dv_parts = dk, dv
     grid = (kv_blocks, batch * kv_heads * splits)
+    if hopper:
+        _attention_bwd_dkdv_sm90[grid](
+            _nvmma_descriptor(q, block_m), _nvmma_descriptor(k, block_n // 2), _nvmma_descriptor(v, block_n // 2, BLOCK_DV),
+            _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts,
+            heads, q_len, kv_len, scale, *params, GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, STAGES=stages,
+            num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
+        )
+        if splits > 1:
+            dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
+            dv.copy_(dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2))
+        return dq, dk, dv, *_trained_grads(lse, delta, params, grad_buffers, train)
     _attention_bwd_dkdv[grid](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV),
         _descriptor(dout, block_m, BLOCK_DV), lse, delta,
@@ -1743,7 +2215,7 @@ def _kernel_params(params):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "sinks_33e263f8bb4f"
+_OP = "sinks_8329661f4002"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -1779,7 +2251,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         if dlse is None:
             dlse = torch.zeros_like(lse)
         train = _trains(ctx.needs_input_grad)
-        dq, dk, dv, *trained = torch.ops.attngen.sinks_33e263f8bb4f_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
+        dq, dk, dv, *trained = torch.ops.attngen.sinks_8329661f4002_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
         return dq, dk, dv, None, *_param_grads(ctx.params, trained, train)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -1833,7 +2305,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.sinks_33e263f8bb4f_fwd if torch.compiler.is_compiling() else _Attention.apply
+    run = torch.ops.attngen.sinks_8329661f4002_fwd if torch.compiler.is_compiling() else _Attention.apply
     out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
