@@ -33,7 +33,7 @@ TARGET_GROUPS = {
 }
 # Every spec compiles for the first GPU and TPU targets (sm90's Triton kernels but the short-sequence
 # forward, tpu-v5e). The other targets compile the same templates for every spec, and so do the
-# Hopper kernels (Gluon: the forward, its FP8 form, dK/dV) and the short-sequence forward (the
+# Hopper kernels (Gluon: the forward, its FP8 form, dQ, dK/dV) and the short-sequence forward (the
 # forward's template at smaller tiles): within CI's time, this spread keeps them checked (closed-form
 # bounds, block tables, a score reading a tensor param at each position, head dims 192 / 128).
 # tests/test_gpu.py runs the Hopper kernels of every spec on an H200.
@@ -50,9 +50,11 @@ def test_specs_compile_for_every_target(spec_file, group):
     if spec.name not in SPREAD_SPECS:
         targets = tuple(t for t in targets if t in EVERY_SPEC_TARGETS)
         if group == "gpu":
-            spec = with_config(spec, "triton_gpu", sm90_forward=0, sm90_backward=0, sm90_fp8=0, short_kv_len=0)
+            spec = with_config(
+                spec, "triton_gpu", sm90_forward=0, sm90_backward=0, sm90_dq=0, sm90_fp8=0, short_kv_len=0
+            )
     elif group == "gpu":  # (also where a spec's defaults leave them out)
-        spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1, sm90_fp8=1)
+        spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1, sm90_dq=1, sm90_fp8=1)
     findings = check_spec(spec, targets)
     assert {f.target for f in findings} == set(targets)
     if group == "gpu":

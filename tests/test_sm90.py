@@ -125,7 +125,10 @@ def _source(spec) -> str:
         ("sm90_forward = 2", "sm90_forward must be 0 or 1"),
         ("sm90_dkdv_block_n = 64", "sm90_dkdv_block_n must be 128"),
         ("sm90_dq_block_m = 64", "sm90_dq_block_m must be 128"),
-        ("sm90_dq = 1\nsm90_dq_block_n = 128\nsm90_dq_num_stages = 3", "the Hopper dQ kernel's tiles need more than sm90's 227 KiB"),
+        (
+            "sm90_dq = 1\nsm90_dq_block_n = 128\nsm90_dq_num_stages = 3",
+            "the Hopper dQ kernel's tiles need more than sm90's 227 KiB",
+        ),
         ("sm90_forward_min_keys = -1", "sm90_forward_min_keys must be in 0..2"),
     ],
 )

@@ -391,7 +391,7 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     hopper = shape.dtype != "float32" and shape.widest >= 64
     config.setdefault("sm90_forward", int(hopper))
     config.setdefault("sm90_backward", int(hopper))
-    if shape.widest <= 64:
+    if hopper and shape.widest == 64:
         config.setdefault("sm90_forward_min_keys", 896)
     config.setdefault("sm90_dq", int(config["sm90_backward"] and _sm90_dq_fits(config, shape)))
     if table.get("sm90_dq") and not _sm90_dq_fits(config, shape):

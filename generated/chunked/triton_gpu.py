@@ -1817,8 +1817,8 @@ def _descriptor(t, rows, width=BLOCK_D):
 
 def _tiles(prefix, device):
     """(block_m, block_n, num_warps, num_stages) of the kernel whose constants start with `prefix`
-    ("", "SHORT_", "DQ_", "DKDV_", "DECODE_", "SM90_DKDV_"), on `device`: POINTER_TILES' where there
-    is no TMA."""
+    ("", "SHORT_", "DQ_", "DKDV_", "DECODE_", "SM90_DQ_", "SM90_DKDV_"), on `device`: POINTER_TILES'
+    where there is no TMA."""
     if not _tma(device):
         return POINTER_TILES[prefix.lower()]
     return tuple(globals()[f"{prefix}{key}"] for key in ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES"))
