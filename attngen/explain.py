@@ -508,6 +508,8 @@ def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...
         kind = kind_of(kernel)
         if kind in chosen:
             skipped[kernel.name] = f"{chosen[kind]} serves this call"
+            if kind == "dq" and ex.spec.grad_params and not kernel.capabilities:  # (_backward's rule)
+                skipped[kernel.name] += ", and every call whose [grad] params want gradients (it gathers them)"
         elif (reason := why_not(kernel)) is not None:
             skipped[kernel.name] = reason
         else:

@@ -188,3 +188,13 @@ def test_explain_picks_the_forward_a_window_takes_on_hopper():
     assert "attention_fp8" in short.not_launched["fwd_sm90_fp8"]
     long = explain(spec, Problem(4096, 4096), params={"window": "4096"}, accelerator="h200")
     assert long.launched[0] == "fwd_sm90"
+
+
+def test_explain_says_which_dq_kernel_gathers_trained_params_gradients():
+    """On Hopper the Gluon dQ kernel serves a call, and the Triton one a call whose [grad] params
+    want gradients (the generated module's _backward)."""
+    ex = explain(load_spec(ROOT / "specs/alibi_slopes.toml"), Problem(1024, 1024), accelerator="h200")
+    assert "bwd_dq_sm90" in ex.launched
+    assert ex.not_launched["bwd_dq"].endswith("every call whose [grad] params want gradients (it gathers them)")
+    plain = explain(load_spec(ROOT / "specs/causal.toml"), Problem(1024, 1024), accelerator="h200")
+    assert plain.not_launched["bwd_dq"] == "bwd_dq_sm90 serves this call"
