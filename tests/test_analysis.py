@@ -50,7 +50,7 @@ def mask_spec(mask: str):
     return harness.spec_from_text(spec_toml(mask))
 
 
-@settings(max_examples=100)
+@settings(max_examples=60)
 @given(
     mask=masks(max_depth=3),
     q_len=st.integers(1, 260),
