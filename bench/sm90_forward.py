@@ -10,9 +10,12 @@ kernels alone), and the peers -- SDPA's cuDNN and FlashAttention-2 backends wher
 mask, else compiled FlexAttention. Before timing, each of our two forwards is checked against
 float64 at the row's length (one sequence, two heads, fresh inputs), by attngen.exactness's rule
 with the reference run in bf16 as the baseline; the gradients are proven in tests/test_gpu.py.
+--graphs also times each call replayed from a CUDA graph, the kernels' time without the host's, and
+reports each eager call's host time: an eager forward + backward of ours spends 0.6-1.3 ms of it
+(Triton's launcher, the descriptors, autograd's device thread), so rows of ~1 ms measure the host.
 
     python bench/sm90_forward.py [--seqs 1024,4096,16384] [--head-dims 64,128] [--only causal,full]
-                                 [--sm90-everywhere]
+                                 [--sm90-everywhere] [--graphs]
 
 Prints a table last; writes results.json to $OUT (or ./bench-out).
 """
@@ -35,6 +38,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from decode import graphed, host_time
 from speed import CASES, HEADS_TIMES_DIM, TOKENS, Row
 
 from attngen import load
@@ -68,7 +72,7 @@ def exact(spec, module, case, row: Row) -> dict:
     return {"errors": errors, "ok": verdict.ok}
 
 
-def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool) -> dict:
+def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool, graphs: bool) -> dict:
     row = Row(case, "bfloat16", head_dim, TOKENS // seq, HEADS_TIMES_DIM // head_dim, seq)
     device = torch.device("cuda")
     spec = retarget(load_spec(ROOT / "specs" / f"{case.spec}.toml"), head_dim, "bfloat16")
@@ -124,17 +128,27 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool) -> dict:
     for name, fn in impls.items():
         if name in checks and not checks[name]["ok"]:
             continue  # not exact: not timed
+        calls = {
+            "fwd": lambda fn=fn: fn(q, k, v),
+            "fwd_bwd": lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout),
+        }
         with switched.get(name, contextlib.nullcontext)():
-            times[name] = {
-                "fwd": time_ms(lambda fn=fn: fn(q, k, v)),
-                "fwd_bwd": time_ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout)),
-            }
+            times[name] = {mode: time_ms(call) for mode, call in calls.items()}
+            if graphs:
+                for mode, call in calls.items():
+                    times[name][f"{mode}_host_us"] = host_time(call, calls=50)
+                    try:
+                        times[name][f"{mode}_graph"] = time_ms(graphed(call))
+                    except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture: not timed so)
+                        print(f"  {name} {mode}: no graph ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
     return {"row": row.label, "case": case.name, "head_dim": head_dim, "seq": seq, "checks": checks, "ms": times}
 
 
 def ratio(times: dict, mode: str, peer: str) -> str:
     ours = times.get("sm90") or times.get("triton")
-    return f"{times[peer][mode] / ours[mode]:.2f}" if ours and peer in times else "–"
+    if not ours or mode not in ours or mode not in times.get(peer, {}):
+        return "–"
+    return f"{times[peer][mode] / ours[mode]:.2f}"
 
 
 def main() -> None:
@@ -143,6 +157,7 @@ def main() -> None:
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--only", default=None, help="comma-separated case names")
     parser.add_argument("--sm90-everywhere", action="store_true", help="build the Hopper kernels for every row")
+    parser.add_argument("--graphs", action="store_true", help="also time each call replayed from a CUDA graph")
     args = parser.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     head_dims = [int(d) for d in args.head_dims.split(",")]
@@ -160,16 +175,27 @@ def main() -> None:
     }
     for i, (case, head_dim, seq) in enumerate(plan):
         torch._dynamo.reset()
-        results.append(run_row(case, head_dim, seq, args.sm90_everywhere))
+        results.append(run_row(case, head_dim, seq, args.sm90_everywhere, args.graphs))
         print(f"[{i + 1}/{len(plan)}] {results[-1]['row']}: {results[-1]['ms']}", flush=True)
         (out_dir / "results.json").write_text(json.dumps({"environment": env, "rows": results}, indent=1))
     print(f"\n{env}\nms (median), and ours ÷ peer in speed (>1: ours faster); ours = sm90 where it runs")
-    print(f"{'row':44} {'mode':7} " + " ".join(f"{i:>7}" for i in IMPLS) + "  /triton  /cuDNN    /FA2   /Flex")
+    print(f"{'row':44} {'mode':13} " + " ".join(f"{i:>7}" for i in IMPLS) + "  /triton  /cuDNN    /FA2   /Flex")
+    modes = ("fwd", "fwd_bwd", "fwd_graph", "fwd_bwd_graph") if args.graphs else ("fwd", "fwd_bwd")
     for r in results:
-        for mode in ("fwd", "fwd_bwd"):
-            cells = " ".join(f"{r['ms'][i][mode]:7.3f}" if i in r["ms"] else f"{'–':>7}" for i in IMPLS)
+        for mode in modes:
+            cells = " ".join(f"{r['ms'][i][mode]:7.3f}" if mode in r["ms"].get(i, {}) else f"{'–':>7}" for i in IMPLS)
             ratios = " ".join(f"{ratio(r['ms'], mode, p):>7}" for p in ("triton", "cuDNN", "FA2", "Flex"))
-            print(f"{r['row']:44} {mode:7} {cells}  {ratios}")
+            print(f"{r['row']:44} {mode:13} {cells}  {ratios}")
+    if args.graphs:
+        print(f"\nhost time of an eager call (us; launches queued without waiting)\n{'row':44} {'mode':13} "
+              + " ".join(f"{i:>7}" for i in IMPLS))
+        for r in results:
+            for mode in ("fwd", "fwd_bwd"):
+                key = f"{mode}_host_us"
+                cells = " ".join(
+                    f"{r['ms'][i][key]:7.0f}" if key in r["ms"].get(i, {}) else f"{'–':>7}" for i in IMPLS
+                )
+                print(f"{r['row']:44} {mode:13} {cells}")
 
 
 if __name__ == "__main__":
