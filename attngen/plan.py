@@ -16,7 +16,7 @@ from attngen import ir
 from attngen.analysis import analyse_mask
 from attngen.analysis.derivative import DISTANCE, POSITIONAL, RELATIVE, param_gradients, score_derivative
 from attngen.analysis.tiles import TILE_VARS, TileBounds
-from attngen.backends.base import Backend, Kernel
+from attngen.backends.base import Backend, Kernel, power_of_two_at_least
 from attngen.backends.emit import Dialect, emit
 from attngen.spec import Spec
 
@@ -158,12 +158,12 @@ class KernelPlan:
     @property
     def block_d(self) -> int:
         """head_dim padded to a power of two (Triton's tl.arange needs one)."""
-        return 1 << (self.head_dim - 1).bit_length()
+        return power_of_two_at_least(self.head_dim)
 
     @property
     def block_dv(self) -> int:
         """head_dim_v padded to a power of two."""
-        return 1 << (self.head_dim_v - 1).bit_length()
+        return power_of_two_at_least(self.head_dim_v)
 
     @property
     def built_kernels(self) -> tuple[Kernel, ...]:

@@ -17,6 +17,12 @@ from attngen.analysis.tiles import Orientation
 from attngen.backends.emit import Dialect
 
 
+def power_of_two_at_least(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): a head dim as the kernels' tiles hold it (Triton's
+    tl.arange and Gluon's tensors need powers of two)."""
+    return 1 << (n - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class ProblemShape:
     """What a target's config may depend on: the spec's head dims and dtype, and whether its

@@ -26,6 +26,7 @@ from attngen.backends.base import (
     ProblemShape,
     Report,
     desc,
+    power_of_two_at_least,
 )
 from attngen.backends.emit import Dialect
 
@@ -420,7 +421,7 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     return TritonConfig(**config)
 
 
-# Shared memory a block may use on sm90 (H100, H200).
+# Shared memory a block may use on sm90 (H100, H200); attngen check's sm90 target reads it too.
 SM90_SHARED_BYTES = 227 * 1024
 
 
@@ -429,7 +430,7 @@ def _sm90_dq_fits(config: dict[str, int], shape: ProblemShape) -> bool:
     and its ring of K/V tiles, all of 16-bit elements (heads of 256 do not fit)."""
     keys = ("sm90_dq_block_m", "sm90_dq_block_n", "sm90_dq_num_stages")
     rows, step, stages = (config.get(key, getattr(TritonConfig, key)) for key in keys)
-    d, dv = (1 << (n - 1).bit_length() for n in (shape.head_dim, shape.head_dim_v))  # padded to powers of two
+    d, dv = power_of_two_at_least(shape.head_dim), power_of_two_at_least(shape.head_dim_v)
     return 2 * (rows * (d + 2 * dv) + stages * step * (d + dv)) <= SM90_SHARED_BYTES
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attngen.backends.base import FP8, Arg, Kernel
-from attngen.backends.triton_gpu import TILE_KEYS, TRITON_GPU
+from attngen.backends.triton_gpu import SM90_SHARED_BYTES, TILE_KEYS, TRITON_GPU
 from attngen.build import import_generated
 from attngen.check.report import Finding
 
@@ -54,7 +54,7 @@ class GpuTarget:
 # one workgroup may use (ROCm documentation, "AMD GPU specifications": 64 KiB on CDNA3, 160 KiB on
 # CDNA4). sm100 and later are opt-in targets of `attngen check` (see attngen.check).
 GPU_TARGETS = {
-    "sm90": GpuTarget("sm90", "cuda", 90, 32, 227 * 1024),  # H100, H200
+    "sm90": GpuTarget("sm90", "cuda", 90, 32, SM90_SHARED_BYTES),  # H100, H200
     "sm80": GpuTarget("sm80", "cuda", 80, 32, 163 * 1024),  # A100
     "sm100": GpuTarget("sm100", "cuda", 100, 32, 227 * 1024),  # B200, GB200: datacenter Blackwell
     "sm120": GpuTarget("sm120", "cuda", 120, 32, 99 * 1024),  # RTX 50 series, RTX PRO 6000: consumer Blackwell
