@@ -1,5 +1,7 @@
 """The generated Triton module as a torch citizen: autograd, torch.compile, inference mode."""
 
+import numpy as np
+import pytest
 import torch
 
 from attngen.spec import load_spec
@@ -82,6 +84,33 @@ def test_requires_grad_on_some_inputs_only():
     k, v = (torch.randn(1, 2, 20, SPEC.head_dim) for _ in range(2))
     attention(q, k, v, window=5).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("used", ["out", "lse"])
+def test_gradients_through_out_or_lse_alone_are_exact(used, monkeypatch):
+    """Eager autograd hands the backward None for the output left unused, not zeros made on the GPU:
+    the gradients through out alone, or lse alone, against float64 with the other cotangent zero,
+    and the backward given None for lse's gradient where lse went unused."""
+    module = _module()
+    p = harness.make_problem(SPEC, 1, 2, 37, 45, seed=3, params={"window": 9})
+    c = harness.make_cotangents(p, seed=3)
+    if used == "out":
+        c = harness.Cotangents(c.dout, np.zeros_like(c.dlse))
+    else:
+        c = harness.Cotangents(np.zeros_like(c.dout), c.dlse)
+    given = []
+    backward = module._backward
+    def recorded(dout, dlse, *rest):
+        given.append(dlse)
+        return backward(dout, dlse, *rest)
+
+    monkeypatch.setattr(module, "_backward", recorded)
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in (p.q, p.k, p.v))
+    out, lse = module.attention(q, k, v, scale=p.scale, return_lse=True, window=9)
+    output, cotangent = (out, c.dout) if used == "out" else (lse, c.dlse)
+    grads = torch.autograd.grad(output, [q, k, v], torch.from_numpy(cotangent))
+    harness.assert_grads_exact(SPEC, p, c, [g.numpy() for g in grads])
+    assert (given[0] is None) == (used == "out")
 
 
 def test_compiled_calls_the_custom_op_and_eager_the_function():

@@ -205,7 +205,7 @@ KERNELS = (
             ("o_desc", desc("BLOCK_M", "dv")),
             ("do_desc", desc("BLOCK_M", "dv")),
             ("LSE", F32_POINTER),
-            ("DLSE", F32_POINTER),
+            ("DLSE", F32_POINTER),  # None where the caller left lse unused: no load, a kernel of its own
             ("DELTA", F32_POINTER),
             ("dq_desc", desc("BLOCK_M")),
             *PROBLEM_ARGS,
@@ -329,7 +329,7 @@ KERNELS = (
             ("o_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
             ("do_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
             ("LSE", F32_POINTER),
-            ("DLSE", F32_POINTER),
+            ("DLSE", F32_POINTER),  # None where the caller left lse unused: no load, a kernel of its own
             ("DELTA", F32_POINTER),
             ("dq_desc", Arg("nvmma_desc", "HALF_BLOCK_M")),
             *PROBLEM_ARGS,

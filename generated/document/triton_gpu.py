@@ -15,6 +15,7 @@ calls run the same kernels through a torch.autograd.Function, which costs less h
 import functools
 import math
 import weakref
+from typing import Optional
 
 import torch
 import triton
@@ -403,10 +404,12 @@ def _attention_bwd_dq(
     do = _load_tile(do_desc, b, h, q_first, BLOCK_M, BLOCK_DV, TMA)
     rows = bh.to(tl.int64) * q_len + offs_m
     lse = tl.load(LSE + rows, mask=offs_m < q_len, other=0.0)
-    # delta = rowsum(dO * O) - dLSE, the softmax-backward term with the LSE's own gradient; stored
-    # for the dK/dV kernel, which runs after this one.
+    # delta = rowsum(dO * O) - dLSE, the softmax-backward term with the LSE's own gradient (DLSE None:
+    # the caller did not use the LSE); stored for the dK/dV kernel, which runs after this one.
     o = _load_tile(o_desc, b, h, q_first, BLOCK_M, BLOCK_DV, TMA)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - tl.load(DLSE + rows, mask=offs_m < q_len, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if DLSE is not None:
+        delta -= tl.load(DLSE + rows, mask=offs_m < q_len, other=0.0)
     tl.store(DELTA + rows, delta, mask=offs_m < q_len)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -1721,7 +1724,9 @@ def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem
     # delta = rowsum(dO * O) - dLSE (see _attention_bwd_dq), stored for the dK/dV kernel.
     o = o_smem.index(HALF).reshape([ROWS, BLOCK_DV]).load(row_major).to(gl.float32)
     do = do_tile.load(row_major).to(gl.float32)
-    delta = gl.convert_layout(gl.sum(o * do, 1), rows) - gl.load(DLSE + at, mask=offs_m < q_len, other=0.0)
+    delta = gl.convert_layout(gl.sum(o * do, 1), rows)
+    if DLSE is not None:
+        delta -= gl.load(DLSE + at, mask=offs_m < q_len, other=0.0)
     gl.store(DELTA + at, delta, mask=offs_m < q_len)
 
     dq = gl.zeros([ROWS, BLOCK_D], gl.float32, dq_layout)
@@ -1887,7 +1892,16 @@ def _descriptor(t, rows, width=BLOCK_D):
     t = _tma_ready(t)
     if not _tma(t.device):
         return (t, *t.stride()[:3], *t.shape[2:])
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width])
+    return _TileDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width])
+
+
+class _TileDescriptor(TensorDescriptor):
+    """Triton's host tensor descriptor without the asserts it runs at each construction (rank, a
+    16-byte aligned base and strides, unit last stride, no empty dimension): _tma_ready makes the
+    tensor fit them and no kernel is launched over an empty one. They are host time every call."""
+
+    def __post_init__(self):
+        pass
 
 
 def _tiles(prefix, device):
@@ -1912,7 +1926,14 @@ _GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.f
 def _nvmma_descriptor(t, rows, width=BLOCK_D):
     """The same for the Hopper kernels, whose tiles land in shared memory in wgmma's swizzled layout."""
     t = _tma_ready(t)
-    return NvmmaTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _nvmma_layout(rows, width, t.dtype))
+    return _NvmmaTileDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _nvmma_layout(rows, width, t.dtype))
+
+
+class _NvmmaTileDescriptor(NvmmaTensorDescriptor):
+    """Gluon's host tensor descriptor without its per-construction asserts (see _TileDescriptor)."""
+
+    def __post_init__(self):
+        pass
 
 
 @functools.cache
@@ -2047,7 +2068,7 @@ def _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
     tables = _block_tables(block_m, block_n, q, kv_len, params, by_key=False)
     _attention_bwd_dq[(_cdiv(q_len, block_m), batch * heads)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV),
-        _descriptor(out, block_m, BLOCK_DV), _descriptor(dout, block_m, BLOCK_DV), lse, dlse.float().contiguous(), delta,
+        _descriptor(out, block_m, BLOCK_DV), _descriptor(dout, block_m, BLOCK_DV), lse, _dlse_rows(dlse), delta,
         _descriptor(dq, block_m),
         heads, q_len, kv_len, scale, *params, tables, tables.stride(0), tables.stride(1), GROUP=group,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
@@ -2064,14 +2085,21 @@ def _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
     _attention_bwd_dq_sm90[(_cdiv(q_len, block_m), batch * heads)](
         _nvmma_descriptor(q, block_m // 2), _nvmma_descriptor(k, block_n), _nvmma_descriptor(v, block_n, BLOCK_DV),
         _nvmma_descriptor(out, block_m // 2, BLOCK_DV), _nvmma_descriptor(dout, block_m // 2, BLOCK_DV), lse,
-        dlse.float().contiguous(), delta, _nvmma_descriptor(dq, block_m // 2),
+        _dlse_rows(dlse), delta, _nvmma_descriptor(dq, block_m // 2),
         heads, q_len, kv_len, scale, *params, tables, tables.stride(0), tables.stride(1), GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
     )
 
 
+def _dlse_rows(dlse):
+    """dLSE as the dQ kernels read it, float32 [batch * heads, q_len]; None (no load) where the
+    caller did not use lse."""
+    return None if dlse is None else dlse.float().contiguous()
+
+
 def _backward(dout, dlse, q, k, v, out, lse, scale, params):
-    """(dq, dk, dv) given the gradients of out and lse (FlashAttention-2: P recomputed from lse)."""
+    """(dq, dk, dv) given the gradients of out and lse (FlashAttention-2: P recomputed from lse;
+    dlse None: lse unused)."""
     params = _kernel_params(params)
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
@@ -2181,7 +2209,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_bwd", mutates_args=())
     def _bwd_op(
-        dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float, param_seg_q: torch.Tensor, param_seg_kv: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _backward(dout, dlse, q, k, v, out, lse, scale, [param_seg_q, param_seg_kv])
@@ -2197,8 +2225,6 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     def _autograd_backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        if dlse is None:
-            dlse = torch.zeros_like(lse)
         dq, dk, dv = torch.ops.attngen.document_842b93e6a057_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
@@ -2214,11 +2240,14 @@ class _Attention(torch.autograd.Function):
         out, lse = _forward(q, k, v, scale, list(params))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.params = scale, params
+        ctx.set_materialize_grads(False)  # an unused lse costs no zeros (nor their launch)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):  # an unused output's gradient arrives as zeros
+    def backward(ctx, dout, dlse):  # an unused output's gradient arrives as None
         q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # only lse was used
+            dout = torch.zeros_like(out)
         dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, ctx.scale, list(ctx.params))
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
@@ -2322,9 +2351,9 @@ def attention_forward(q, k, v, *, scale=None, **params):
 
 
 def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, **params):
-    """(dq, dk, dv) of attention over q, k, v given the gradients of its out and lse, and
-    out and lse themselves: those of the whole row when k and v are one block of its keys (see
-    attention_forward)."""
+    """(dq, dk, dv) of attention over q, k, v given the gradients of its out and lse (dlse
+    None: lse unused), and out and lse themselves: those of the whole row when k and v are one block
+    of its keys (see attention_forward)."""
     lse = lse.contiguous()  # the kernels index it as [batch * heads, q_len] (a slice of a longer row is not)
     return _backward(dout, dlse, q, k, v, out, lse, *_checked_scale_and_params(q, k, v, scale, params))
 
