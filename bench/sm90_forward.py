@@ -11,9 +11,9 @@ mask, else compiled FlexAttention. Before timing, each of our two forwards is ch
 float64 at the row's length (one sequence, two heads, fresh inputs), by attngen.exactness's rule
 with the reference run in bf16 as the baseline; the gradients are proven in tests/test_gpu.py.
 --graphs also times each call replayed from a CUDA graph, the kernels' time without the host's, and
-reports each eager call's host time: an eager forward + backward of ours spends 0.6-1.3 ms of it
-(Triton's launcher, the descriptors, autograd's device thread), so rows of ~1 ms measure more than
-the kernels.
+reports each eager call's host time: an eager forward + backward of ours spends 0.7-0.95 ms of it
+(Triton's launcher, the descriptors, autograd's device thread), so rows of less than ~1 ms measure
+more than the kernels.
 
     python bench/sm90_forward.py [--seqs 1024,4096,16384] [--head-dims 64,128] [--only causal,full]
                                  [--sm90-everywhere] [--graphs]

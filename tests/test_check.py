@@ -72,7 +72,7 @@ def test_specs_compile_for_every_target(spec_file, group):
     assert all("lowered to Mosaic only" not in f.warning for f in tpu), "libtpu missing: no real Mosaic compile"
 
 
-@settings(max_examples=2)
+@settings(max_examples=1)
 @given(drawn=specs(dtypes=("bfloat16", "float32"), head_dims=(64, 128)))
 def test_drawn_specs_compile(drawn):
     # One GPU and one TPU: the drawn expressions are what varies here (specs/ covers every target).
@@ -201,8 +201,8 @@ def test_check_spec_is_iter_check_collected():
     findings = iter_check(spec, ("tpu-v5e",))
     first = next(findings)  # the forward's finding, before the backward is compiled
     assert (first.target, first.kernel) == ("tpu-v5e", "fwd")
-    rest = [f.kernel for f in findings]
-    assert "bwd" in rest and "fwd" not in rest
+    assert next(findings).kernel == "bwd"  # (the decode kernels' compiles are left out: findings closes)
+    findings.close()
 
 
 def test_a_failing_gpu_check_process_reports_its_stderr(tmp_path):

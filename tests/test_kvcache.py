@@ -171,10 +171,10 @@ def test_kvcache_matches_attention_over_the_whole_sequence(spec_name, p):
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
-@settings(max_examples=2)
+@settings(max_examples=1)
 @given(p=problems())
 def test_pallas_kvcache_matches_attention_over_the_whole_sequence(spec_name, p):
-    """The same problems in TPU interpret mode (fewer: each shape compiles its own kernel)."""
+    """The same problems in TPU interpret mode (one a spec: each shape compiles its own kernel)."""
     check(spec_name, p, "pallas_tpu")
 
 

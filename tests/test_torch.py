@@ -100,6 +100,7 @@ def test_gradients_through_out_or_lse_alone_are_exact(used, monkeypatch):
         c = harness.Cotangents(np.zeros_like(c.dout), c.dlse)
     given = []
     backward = module._backward
+
     def recorded(dout, dlse, *rest):
         given.append(dlse)
         return backward(dout, dlse, *rest)

@@ -3,8 +3,9 @@ several heads, grouped kv heads), dtype, fresh inputs and fresh tensor params; f
 LSE, then the gradients of q, k and v, against the float64 oracle.
 
 Tiles are small (32 x 32 on Triton, 64 x 128 on Pallas) so that short sequences have EMPTY,
-PARTIAL and FULL tiles and tails. ATTNGEN_VARIANT_EXAMPLES sets the examples per spec and target
-(default 2; the closing notes of issue 6 report a run with more).
+PARTIAL and FULL tiles and tails. ATTNGEN_VARIANT_EXAMPLES sets the examples per spec on Triton
+(default 2; the closing notes of issue 6 report a run with more), Pallas draws half as many (at
+least one): its interpret mode compiles each drawn shape, ~3 s on a CPU.
 """
 
 import os
@@ -52,11 +53,21 @@ def small_tiles(spec, target: str):
     return with_config(spec, "pallas_tpu", block_q=64, block_kv=128)
 
 
-@pytest.mark.parametrize("target", sorted(harness.TARGETS))
 @pytest.mark.parametrize("spec_file", SPECS, ids=lambda p: p.stem)
 @settings(max_examples=EXAMPLES)
 @given(drawn=problems())
-def test_spec_on_drawn_problems(spec_file, target, drawn):
+def test_spec_on_drawn_problems_triton(spec_file, drawn):
+    check_drawn(spec_file, "triton", drawn)
+
+
+@pytest.mark.parametrize("spec_file", SPECS, ids=lambda p: p.stem)
+@settings(max_examples=max(1, EXAMPLES // 2))
+@given(drawn=problems())
+def test_spec_on_drawn_problems_pallas(spec_file, drawn):
+    check_drawn(spec_file, "pallas", drawn)
+
+
+def check_drawn(spec_file, target, drawn):
     spec = small_tiles(harness.with_dtype(load_spec(spec_file), drawn["dtype"]), target)
     shape = (drawn["batch"], drawn["heads"], drawn["q_len"], drawn["kv_len"])
     params = harness.example_params(spec.name, *shape, seed=drawn["seed"])

@@ -1807,8 +1807,8 @@ def _descriptor(t, rows, width=BLOCK_D):
 
 class _TileDescriptor(TensorDescriptor):
     """Triton's host tensor descriptor without the asserts it runs at each construction (rank, a
-    16-byte aligned base and strides, unit last stride, no empty dimension): _tma_ready makes the
-    tensor fit them and no kernel is launched over an empty one. They are host time every call."""
+    16-byte aligned base and strides, unit last stride, no empty dimension), host time at every
+    call: _tma_ready makes the tensor fit them, and no kernel is launched over an empty one."""
 
     def __post_init__(self):
         pass
