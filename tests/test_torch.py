@@ -68,8 +68,11 @@ def test_compiled_gradients_match_eager():
     torch.testing.assert_close(grad_compiled, x.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_inference_mode_and_no_grad():
-    attention = _module().attention
+def test_inference_mode_and_no_grad(monkeypatch):
+    """Calls that want no gradient skip autograd's bookkeeping (host time): no autograd.Function."""
+    module = _module()
+    attention = module.attention
+    monkeypatch.setattr(module._Attention, "apply", None)  # (calling it would raise)
     q, k, v = (torch.randn(1, 2, 20, SPEC.head_dim) for _ in range(3))
     with torch.inference_mode():
         out = attention(q, k, v, window=5)

@@ -2170,9 +2170,13 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
     scalars, tensors = _check_params(params)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    # torch.compile traces the custom op (no graph break); eager mode takes the cheaper autograd.Function.
-    run = torch.ops.attngen.full_c98f8e899ced_fwd if torch.compiler.is_compiling() else _Attention.apply
-    out, lse = run(q, k, v, float(scale), *scalars.values(), *tensors.values())
+    scale, params = float(scale), [*scalars.values(), *tensors.values()]
+    if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
+        out, lse = torch.ops.attngen.full_c98f8e899ced_fwd(q, k, v, scale, *params)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
+        out, lse = _Attention.apply(q, k, v, scale, *params)  # eager: cheaper than the custom op's dispatch
+    else:  # no gradient wanted (inference): the kernels without autograd's bookkeeping
+        out, lse = _forward(q, k, v, scale, params)
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
 
