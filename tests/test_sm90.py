@@ -39,7 +39,7 @@ HOPPER_KERNELS = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90")
     [
         *((name, kernel, {}) for kernel in HOPPER_KERNELS for name in ("causal", "document")),
         ("full", "fwd_sm90", {}),  # the persistent forward, a static share of the tiles per program
-        ("causal", "fwd_sm90", {"PERSISTENT": 1, "DYNAMIC": 1}),  # tiles taken from a counter
+        ("causal", "fwd_sm90", {"PERSISTENT": 0, "DYNAMIC": 0}),  # a program per tile
     ],
 )  # closed-form tile bounds; block tables
 def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk):
@@ -52,19 +52,23 @@ def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk):
     assert ptx["waits"] == ["0", "1"]
     assert {24, 240} <= set(ptx["registers"])  # registers moved from the loader warp to the consumers
     assert ptx["local"] == 0  # nothing in local memory at the PTX level
-    assert ptx["atomics"] == bool(walk.get("DYNAMIC"))  # one atomic add a tile taken from the counter
+    # One atomic add a tile taken from the counter (the forward's default where tiles differ in cost).
+    dynamic = walk.get("DYNAMIC", module.SM90_DYNAMIC) if kernel == "fwd_sm90" else 0
+    assert ptx["atomics"] == bool(dynamic)
 
 
-def test_the_hopper_forward_persists_where_its_tiles_cost_alike():
-    """A program per SM walking its share of the tiles where every tile walks the same kv blocks; a
-    program per tile where they differ (by query block, batch, head or a block table), so that the
-    GPU's block scheduler balances them."""
+def test_the_hopper_forward_takes_tiles_from_a_counter_where_they_differ_in_cost():
+    """A program per SM everywhere: each walks a static share of the tiles where every tile walks the
+    same kv blocks, and takes its next tile from an atomic counter, heaviest first, where they differ
+    (by query block, batch, head or a block table)."""
 
-    def persistent(name):
-        return "\nSM90_PERSISTENT = 1\n" in _source(load_spec(f"specs/{name}.toml"))
+    def dynamic(name):
+        source = _source(load_spec(f"specs/{name}.toml"))
+        assert "\nSM90_PERSISTENT = 1\n" in source
+        return "\nSM90_DYNAMIC = 1\n" in source
 
-    assert persistent("full") and persistent("relative_bias")
-    assert not any(map(persistent, ("causal", "sliding_window", "prefix_lm_batched", "document")))
+    assert not dynamic("full") and not dynamic("relative_bias")
+    assert all(map(dynamic, ("causal", "sliding_window", "prefix_lm_batched", "document")))
 
 
 def test_the_hopper_kernels_are_built_where_they_are_measured_faster():

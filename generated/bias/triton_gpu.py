@@ -149,14 +149,11 @@ SM90_MAX_REGISTERS = 168
 # The Hopper forward's tiles (Q, O, the K/V ring) fit in this much shared memory: sm90's 227 KiB per
 # block less 1 KiB for the mbarriers.
 SM90_TILE_BYTES = 226 * 1024
-# Every tile of the Hopper forward walks the same kv blocks: a program per SM walks its share.
+# The Hopper forward is persistent: a program per SM walks tiles (0: a program per tile).
 SM90_PERSISTENT = 1
-# 1: persistent programs take each next tile from an atomic counter, the heaviest query blocks first
-# across sections of heads whose K and V fit in SM90_L2_BYTES of L2 (FlashAttention-3's dynamic
-# scheduler). Exact, but off: on the H200 its speed changed from one process to the next (causal 1k:
-# 0.65-1.15x a program per tile, full 1k 0.75-1.07x; BENCHMARKS.md, 2026-12-02), not yet understood.
+# Every tile of the Hopper forward walks the same kv blocks: each program walks a static share.
 SM90_DYNAMIC = 0
-SM90_L2_BYTES = 32 * 1024 * 1024
+SM90_L2_BYTES = 8 * 1024 * 1024
 # GQA and MQA: the dK/dV grid grows to this many programs per SM by splitting query-head groups
 # (see _group_splits; BENCHMARKS.md has the sweep behind it).
 PROGRAMS_PER_SM = 4
@@ -950,13 +947,13 @@ def attention_with_kvcache(
 # the next. The registers move to the consumers (setmaxnreg). Same tile bounds, mask and score
 # functions as the kernels above.
 #
-# Persistent where the tiles cost alike (SM90_PERSISTENT): a program per SM walks a static share of
-# the tiles (query block, batch, head) in _sm90_tile's order, so the loader fetches the next tile's Q
-# and K/V while the consumers store this one's output, and no program is launched and set up per
-# tile. Elsewhere the grid has a program per tile, in the same order, and each partition runs its
-# tile as straight-line code (inside a loop the FP8 causal forward was 2-4 % slower on the H200).
-# SM90_DYNAMIC (off: see the module's constant) makes the persistent programs take each next tile
-# from an atomic counter instead, the loader handing it to the consumers.
+# Persistent (SM90_PERSISTENT): a program per SM walks tiles (query block, batch, head) in
+# _sm90_tile's order, so the loader fetches the next tile's Q and K/V while the consumers store this
+# one's output, and no program is launched and set up per tile. Where the tiles cost alike each
+# program takes a static share; where they differ (SM90_DYNAMIC) each takes its next tile from an
+# atomic counter, the loader handing it to the consumers, so the heaviest tiles go first and the
+# lightest fill the gaps. SM90_PERSISTENT = 0 gives a program per tile instead, each partition
+# running its tile as straight-line code.
 #
 # FP8 (attention_fp8): q, k, v in float8 e4m3 with descale factors, the output in the spec's dtype.
 # wgmma reads fp8 operands from shared memory only K-major, so V arrives transposed (V^T, its keys
@@ -1070,8 +1067,9 @@ def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empt
                                  kv_len, param_bias, param_bias_size0, param_bias_size1, param_bias_size2, param_bias_size3, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8)
             done += 1
             # Taken once this tile's loads are issued: the consumers are a tile behind, so they do
-            # not wait for the atomic's round trip.
-            t = gl.num_programs(0) + gl.atomic_add(TILE_COUNTER, 1)
+            # not wait for the atomic's round trip. Relaxed: the count orders nothing else (the
+            # default acq_rel fences the loader's memory traffic at each take).
+            t = gl.num_programs(0) + gl.atomic_add(TILE_COUNTER, 1, sem="relaxed")
         _sm90_give_tile(tile_smem, tile_ready, tile_empty, -1, done)
     elif PERSISTENT:
         it = 0
