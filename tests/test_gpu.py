@@ -138,32 +138,38 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
     "name, head_dim", [("causal", None), ("document", None), ("value_dim", None), ("sinks", None), ("full", 256)]
 )
 @pytest.mark.parametrize("dynamic", [0, 1], ids=["static", "dynamic"])
-def test_the_persistent_hopper_forward_walks_many_tiles_a_program(name, head_dim, dynamic, monkeypatch):
-    """The persistent Hopper forward (bf16 and FP8), each program taking every 5th tile or the next
-    from the counter, launched as if on a GPU of 5 SMs so that each program walks some 13 tiles: tiles
-    handed to the consumers, Q's buffer refilled, barrier phases turned, O's tile stored again (at
-    D = 256 through Q's buffer), block tables and sinks read per tile; the dynamic walk in L2
-    sections of 6 (batch, head) pairs, the last one short."""
+def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim, dynamic, monkeypatch):
+    """The persistent Hopper kernels: the forward (bf16 and FP8), dQ and dK/dV kernels, each program
+    taking every 5th tile or the next from the counter, launched as if on a GPU of 5 SMs so that each
+    program walks some 13 (forward, dQ) or 10 (dK/dV) tiles: tiles handed to the consumers, Q's
+    (forward), Q's, dO's and O's (dQ) and K's and V's (dK/dV) buffers refilled, barrier phases turned,
+    O's tile (at D = 256 through Q's buffer) and dQ's (through Q's) stored again, block tables and sinks
+    read per tile; the dynamic walk in L2 sections of 6 (batch, head) pairs (forward and dQ, the last
+    one short) and of 2 units (dK/dV). Heads of 256 take the Triton backward (sm90's shared memory)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm90 GPUs only")
     spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
-    spec = with_config(retarget(spec, head_dim, spec.dtype) if head_dim else spec, "triton_gpu", sm90_forward=1)
+    spec = retarget(spec, head_dim, spec.dtype) if head_dim else spec
+    spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_forward_min_keys=0)
     module = harness.load_target(spec, "triton_gpu")
+    assert module.SM90_BACKWARD == module.SM90_DQ == (head_dim is None)
     monkeypatch.setattr(module, "SM90_PERSISTENT", 1)  # (exact either way; only the balance differs)
     monkeypatch.setattr(module, "SM90_DYNAMIC", dynamic)
     monkeypatch.setattr(module, "_sm_count", lambda device: 5)
-    batch, heads, kv_heads, q_len, kv_len = 2, 4, 2, 1000, 1537  # 64 tiles of 128 queries
-    q, k, v, _ = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
+    batch, heads, kv_heads, q_len, kv_len = 2, 4, 2, 1000, 1537  # 64 forward tiles, 52 dK/dV tiles
+    q, k, v, dout = _inputs(spec, batch, heads, q_len, kv_len, seed=hash(name) % 2**31)
     k, v = k[:, :kv_heads], v[:, :kv_heads]
     kv_head_bytes = kv_len * (module.BLOCK_D + module.BLOCK_DV) * k.element_size()
     monkeypatch.setattr(module, "SM90_L2_BYTES", 3 * kv_head_bytes)  # 3 kv heads: 6 (batch, head) pairs
-    assert module._sm90_section_heads(batch * heads, heads // kv_heads, kv_len, k) == (6 if dynamic else 1)
+    assert module._sm90_section(batch * heads, kv_head_bytes, heads // kv_heads) == (6 if dynamic else 1)
+    # A dK/dV unit (batch, kv head: 4, the group unsplit at 5 SMs) streams its 2 heads' Q and dO.
+    unit_bytes = heads // kv_heads * q_len * (module.BLOCK_D + module.BLOCK_DV) * q.element_size()
+    assert module._group_splits(heads // kv_heads, batch * kv_heads * 13, q.device) == 1
+    assert module._sm90_section(batch * kv_heads, unit_bytes) == (2 if dynamic else 1)
     params = _params(name, batch, heads, q_len, kv_len, seed=1)
     assert module._runs_sm90(q, module.SM90_FORWARD)
-    out, lse = module.attention(q, k, v, return_lse=True, **params)
-    ref_out, ref_lse = attention_ref_torch(spec, q, k, v, dtype=torch.float64, **params)
-    base_out, _ = attention_ref_torch(spec, q, k, v, dtype=q.dtype, **params)
-    assert_forward(spec.dtype, out, lse, ref_out, ref_lse, base_out)
+    out, lse, grads = _out_and_grads(lambda *x: module.attention(*x, return_lse=True, **params), q, k, v, dout)
+    _assert_exact(spec, params, (q, k, v, dout), out, lse, grads)
     results, _ = _fp8_forward(spec, module, q, k, v, kv_heads, params)
     assert_forward(FP8, *results)
 

@@ -19,7 +19,7 @@ from attngen.backends.triton_gpu import TRITON_GPU
 from attngen.build import import_generated
 from attngen.check.gpu import compile_kernel
 module = import_generated(Path(sys.argv[1]), "_attngen_sm90_structure")
-walk = json.loads(sys.argv[4])  # the forward's PERSISTENT and DYNAMIC, where not the module's
+walk = json.loads(sys.argv[4])  # PERSISTENT and DYNAMIC, where not the module's
 ptx = compile_kernel(module, TRITON_GPU.kernel(sys.argv[3]), sys.argv[2], 90, **walk).asm["ptx"]
 print(json.dumps({
     "wgmma": ptx.count("wgmma.mma_async"),
@@ -31,7 +31,7 @@ print(json.dumps({
 }))
 """
 
-HOPPER_KERNELS = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90")
+HOPPER_KERNELS = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90")  # each persistent by default: it walks tiles
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ HOPPER_KERNELS = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90")
     [
         *((name, kernel, {}) for kernel in HOPPER_KERNELS for name in ("causal", "document")),
         ("full", "fwd_sm90", {}),  # the persistent forward, a static share of the tiles per program
-        ("causal", "fwd_sm90", {"PERSISTENT": 0, "DYNAMIC": 0}),  # a program per tile
+        *(("causal", kernel, {"PERSISTENT": 0, "DYNAMIC": 0}) for kernel in HOPPER_KERNELS),  # a program per tile
     ],
 )  # closed-form tile bounds; block tables
 def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk):
@@ -52,15 +52,15 @@ def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk):
     assert ptx["waits"] == ["0", "1"]
     assert {24, 240} <= set(ptx["registers"])  # registers moved from the loader warp to the consumers
     assert ptx["local"] == 0  # nothing in local memory at the PTX level
-    # One atomic add a tile taken from the counter (the forward's default where tiles differ in cost).
-    dynamic = walk.get("DYNAMIC", module.SM90_DYNAMIC) if kernel == "fwd_sm90" else 0
+    # One atomic add a tile taken from the counter (the default where tiles differ in cost).
+    dynamic = walk.get("DYNAMIC", module.SM90_DYNAMIC)
     assert ptx["atomics"] == bool(dynamic)
 
 
-def test_the_hopper_forward_takes_tiles_from_a_counter_where_they_differ_in_cost():
-    """A program per SM everywhere: each walks a static share of the tiles where every tile walks the
-    same kv blocks, and takes its next tile from an atomic counter, heaviest first, where they differ
-    (by query block, batch, head or a block table)."""
+def test_the_hopper_kernels_take_tiles_from_a_counter_where_they_differ_in_cost():
+    """The Hopper kernels have a program per SM everywhere: each walks a static share
+    of the tiles where every tile walks the same blocks, and takes its next tile from an atomic
+    counter, heaviest first, where they differ (by block, batch, head or a block table)."""
 
     def dynamic(name):
         source = _source(load_spec(f"specs/{name}.toml"))
@@ -84,8 +84,12 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
     assert enabled(64, "bfloat16") == (1, 1, 1)
     assert enabled(32, "bfloat16") == (0, 0, 0)  # not measured
     assert enabled(128, "float32") == (0, 0, 0)  # wgmma takes no float32 inputs
-    # Heads of 256: the dQ kernel's Q, dO and O beside its K/V ring pass sm90's shared memory.
-    assert enabled(256, "bfloat16") == (1, 0, 1)
+    # Heads of 256: the dQ kernel's Q, dO and O beside its K/V ring, and the dK/dV kernel's K and V
+    # beside its Q/dO ring, pass sm90's shared memory (257 KiB: the launch would fail).
+    assert enabled(256, "bfloat16") == (1, 0, 0)
+    text = 'name = "s"\nhead_dim = 256\ndtype = "bfloat16"\n[triton]\nsm90_backward = 1\n'
+    with pytest.raises(SpecError, match="the Hopper dK/dV kernel's tiles need more than sm90's 227 KiB"):
+        parse_spec(text, "s.toml")
 
 
 def test_calls_of_short_programs_take_the_triton_forward():

@@ -173,7 +173,7 @@ def _forward_sm90(element: str = "") -> dict:
             ("TILE_COUNTER", I32_POINTER),  # the tiles taken, for the dynamic persistent walk
             *PROBLEM_ARGS,
             ("batch_heads", I32),  # batch * num_heads: the grid's tiles are query blocks x this
-            ("section_heads", I32),  # (batch, head) pairs whose K and V share L2 (_sm90_section_heads)
+            ("section_heads", I32),  # (batch, head) pairs whose K and V share L2 (_sm90_section)
         ),
         "language": "gluon",
         "capabilities": (90,),
@@ -306,7 +306,10 @@ KERNELS = (
             ("DELTA", F32_POINTER),
             ("DK", INPUT_POINTER),  # float32 partial sums when SPLITS > 1
             ("DV", INPUT_POINTER),
+            ("TILE_COUNTER", I32_POINTER),  # the tiles taken, for the dynamic persistent walk
             *PROBLEM_ARGS,
+            ("units", I32),  # batch * kv_heads * SPLITS: the grid's tiles are kv blocks x this
+            ("section_units", I32),  # units whose Q and dO share L2 (_sm90_section)
         ),
         constexprs=(("GROUP", 1), ("SPLITS", 1)),
         enabled_by="sm90_backward",
@@ -332,7 +335,10 @@ KERNELS = (
             ("DLSE", F32_POINTER),  # None where the caller left lse unused: no load, a kernel of its own
             ("DELTA", F32_POINTER),
             ("dq_desc", Arg("nvmma_desc", "HALF_BLOCK_M")),
+            ("TILE_COUNTER", I32_POINTER),  # the tiles taken, for the dynamic persistent walk
             *PROBLEM_ARGS,
+            ("batch_heads", I32),  # batch * num_heads: the grid's tiles are query blocks x this
+            ("section_heads", I32),  # (batch, head) pairs whose K and V share L2 (_sm90_section)
         ),
         constexprs=(("GROUP", 1),),
         enabled_by="sm90_dq",
@@ -391,7 +397,15 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     # the Triton forward.
     hopper = shape.dtype != "float32" and shape.widest >= 64
     config.setdefault("sm90_forward", int(hopper))
-    config.setdefault("sm90_backward", int(hopper))
+    config.setdefault("sm90_backward", int(hopper and _sm90_dkdv_fits(config, shape)))
+    if table.get("sm90_backward") and not _sm90_dkdv_fits(config, shape):
+        report(
+            f"triton sm90_backward: the Hopper dK/dV kernel's tiles need more than sm90's {SM90_SHARED_BYTES // 1024} "
+            f"KiB of shared memory at head dims {shape.head_dim} / {shape.head_dim_v}",
+            "sm90_backward",
+            "fewer sm90_dkdv_num_stages or a smaller sm90_dkdv_block_n, or sm90_backward = 0",
+        )
+        return None
     if hopper and shape.widest == 64:
         config.setdefault("sm90_forward_min_keys", 896)
     config.setdefault("sm90_dq", int(config["sm90_backward"] and _sm90_dq_fits(config, shape)))
@@ -432,6 +446,15 @@ def _sm90_dq_fits(config: dict[str, int], shape: ProblemShape) -> bool:
     rows, step, stages = (config.get(key, getattr(TritonConfig, key)) for key in keys)
     d, dv = power_of_two_at_least(shape.head_dim), power_of_two_at_least(shape.head_dim_v)
     return 2 * (rows * (d + 2 * dv) + stages * step * (d + dv)) <= SM90_SHARED_BYTES
+
+
+def _sm90_dkdv_fits(config: dict[str, int], shape: ProblemShape) -> bool:
+    """Whether the Hopper dK/dV kernel's tiles fit sm90's shared memory: K and V of its keys, and its
+    ring of Q/dO tiles with their rows of LSE and delta (heads of 256 do not fit at 128 x 64 tiles)."""
+    keys = ("sm90_dkdv_block_m", "sm90_dkdv_block_n", "sm90_dkdv_num_stages")
+    step, rows, stages = (config.get(key, getattr(TritonConfig, key)) for key in keys)
+    d, dv = power_of_two_at_least(shape.head_dim), power_of_two_at_least(shape.head_dim_v)
+    return 2 * (rows + stages * step) * (d + dv) + 8 * stages * step <= SM90_SHARED_BYTES
 
 
 def tensor_args(name: str, rank: int) -> tuple[str, ...]:

@@ -146,14 +146,14 @@ SM90_MAX_REGISTERS = 168
 # The Hopper forward's tiles (Q, O, the K/V ring) fit in this much shared memory: sm90's 227 KiB per
 # block less 1 KiB for the mbarriers.
 SM90_TILE_BYTES = 226 * 1024
-# The Hopper forward is persistent: a program per SM walks tiles (0: a program per tile).
+# The Hopper kernels are persistent: a program per SM walks tiles (0: a program per tile).
 SM90_PERSISTENT = 1
-# The Hopper forward's tiles differ in cost (their kv blocks depend on the query block, batch or
-# head): each program takes its next tile from an atomic counter, the heaviest query blocks first
-# across sections of heads whose K and V fit in SM90_L2_BYTES of L2 (FlashAttention-3's dynamic
-# scheduler). On the H200, against a program per tile: causal 1k and 4k 1.08-1.23x, document and
-# prefix_lm 16k 1.01-1.03x (one replay round of prefix_lm in eight read 0.85x); a static share left
-# the busiest SM 57 % over the mean at causal 16k (BENCHMARKS.md, 2026-12-02 and 2026-12-03).
+# The tiles differ in cost (the blocks they walk depend on their block, batch or head): each program
+# takes its next tile from an atomic counter, the heaviest blocks first across sections of heads whose
+# streamed operands fit in SM90_L2_BYTES of L2 (FlashAttention-3's dynamic scheduler). The forward on
+# the H200, against a program per tile: causal 1k and 4k 1.08-1.23x, document and prefix_lm 16k
+# 1.01-1.03x (one replay round of prefix_lm in eight read 0.85x); a static share left the busiest SM
+# 57 % over the mean at causal 16k (BENCHMARKS.md, 2026-12-02 and 2026-12-03).
 SM90_DYNAMIC = 1
 SM90_L2_BYTES = 8 * 1024 * 1024
 # GQA and MQA: the dK/dV grid grows to this many programs per SM by splitting query-head groups
@@ -236,6 +236,80 @@ def _lse(m, l):
 def _probs(x, lse):
     """P = exp(x - lse) from logits in _logits' units and the row's natural-log LSE (the backward)."""
     return tl.exp2(x - lse * 1.4426950408889634)
+
+
+# ---------------------------------------------------------------------------- Hopper (sm90) tile walks
+# Persistent (SM90_PERSISTENT), a program per SM walks tiles: its loader fetches the next tile's operands
+# while the consumers finish this one, and no program is launched and set up per tile. Where the tiles
+# cost alike each program takes a static share (every num_programs-th); where they differ (SM90_DYNAMIC)
+# the loader takes the next tile not taken by any program from an atomic counter and hands it to the
+# consumers, so the heaviest tiles go first and the lightest fill the gaps. SM90_PERSISTENT = 0 gives a
+# program per tile instead, each partition running its tile as straight-line code.
+
+
+@gluon.jit
+def _sm90_query_tile(t, batch_heads, section_heads, num_heads, q_len, BLOCK_M: gl.constexpr):
+    """Tile t of a kernel that holds a query block (the forward, dQ), of its grid or of the persistent
+    programs' walk: (b, h, bh, q_block). The heads come in sections of section_heads (b, h) pairs
+    (_sm90_section: one, but in the counter walk as many as share L2 with their K and V); within a
+    section, query block by query block, heaviest first (under a causal mask, the last), so the
+    programs at work share a few heads' K and V in L2 and the lightest tiles come last, where they
+    fill the gaps."""
+    q_blocks = gl.cdiv(q_len, BLOCK_M)
+    first_bh = t // (section_heads * q_blocks) * section_heads
+    heads_here = gl.minimum(section_heads, batch_heads - first_bh)  # the last section may be short
+    r = t - first_bh * q_blocks
+    bh = first_bh + r % heads_here
+    return bh // num_heads, bh % num_heads, bh, q_blocks - 1 - r // heads_here
+
+
+@gluon.jit
+def _sm90_key_tile(t, units, section_units, num_heads, kv_len, GROUP: gl.constexpr, SPLITS: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+    """Tile t of the dK/dV kernel, which holds a kv block of one unit (a batch, a kv head, a part of its
+    group of query heads: _group_splits), of its grid or of the persistent programs' walk: (b, h_kv,
+    part, kv_block). The units come in sections of section_units (_sm90_section: one, but in the
+    counter walk as many as share L2 with their Q and dO); within a section, kv block by kv block,
+    the first first (under a causal mask it sees the most q blocks), as _sm90_query_tile."""
+    kv_blocks = gl.cdiv(kv_len, BLOCK_N)
+    first_unit = t // (section_units * kv_blocks) * section_units
+    units_here = gl.minimum(section_units, units - first_unit)  # the last section may be short
+    r = t - first_unit * kv_blocks
+    unit = first_unit + r % units_here
+    part = unit % (num_heads // GROUP * SPLITS)
+    return unit // (num_heads // GROUP * SPLITS), part // SPLITS, part, r // units_here
+
+
+@gluon.jit
+def _sm90_tile_ring():
+    """The persistent programs' tiles, from the loader to the consumers: two slots of one index each,
+    with their barriers (a slot is ready once the loader stored it, empty once both consumers read it)."""
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(2):
+        mbarrier.init(tile_ready.index(slot), count=1)
+        mbarrier.init(tile_empty.index(slot), count=2)
+    return tile_smem, tile_ready, tile_empty
+
+
+@gluon.jit
+def _sm90_give_tile(tile_smem, tile_ready, tile_empty, t, given):
+    """The loader hands tile t (-1: no more) to both consumers through a slot of a two-slot ring."""
+    slot = given % 2
+    mbarrier.wait(tile_empty.index(slot), given // 2 & 1 ^ 1)  # a fresh barrier counts as released
+    tile_smem.index(slot).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+    mbarrier.arrive(tile_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _sm90_take_tile(tile_smem, tile_ready, tile_empty, taken):
+    """A consumer's next tile from the loader (-1: no more)."""
+    slot = taken % 2
+    mbarrier.wait(tile_ready.index(slot), taken // 2 & 1)
+    t = gl.max(tile_smem.index(slot).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
+    mbarrier.arrive(tile_empty.index(slot), count=1)  # released by both consumers
+    return t
 
 
 @triton.jit
@@ -923,13 +997,8 @@ def attention_with_kvcache(
 # the next. The registers move to the consumers (setmaxnreg). Same tile bounds, mask and score
 # functions as the kernels above.
 #
-# Persistent (SM90_PERSISTENT): a program per SM walks tiles (query block, batch, head) in
-# _sm90_tile's order, so the loader fetches the next tile's Q and K/V while the consumers store this
-# one's output, and no program is launched and set up per tile. Where the tiles cost alike each
-# program takes a static share; where they differ (SM90_DYNAMIC) each takes its next tile from an
-# atomic counter, the loader handing it to the consumers, so the heaviest tiles go first and the
-# lightest fill the gaps. SM90_PERSISTENT = 0 gives a program per tile instead, each partition
-# running its tile as straight-line code.
+# A tile is a query block of one (batch, head), walked in _sm90_query_tile's order (see the tile walks above):
+# persistent, the loader fetches the next tile's Q and K/V while the consumers store this one's output.
 #
 # FP8 (attention_fp8): q, k, v in float8 e4m3 with descale factors, the output in the spec's dtype.
 # wgmma reads fp8 operands from shared memory only K-major, so V arrives transposed (V^T, its keys
@@ -960,19 +1029,8 @@ def _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_
 @gluon.jit
 def _sm90_tile(t, batch_heads, section_heads, num_heads, q_len, kv_len, param_chunk,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile t of the grid, or of the persistent programs' walk: (b, h, bh, its first query, its runs
-    of kv blocks). The heads come in sections of section_heads (b, h) pairs (_sm90_section_heads:
-    one, but in the counter walk as many as share L2); within a section, query block by query block,
-    heaviest first (under a causal mask, the last), so the programs at work share a few heads' K and
-    V in L2 and the lightest tiles come last, where they fill the gaps."""
-    q_blocks = gl.cdiv(q_len, BLOCK_M)
-    first_bh = t // (section_heads * q_blocks) * section_heads
-    heads_here = gl.minimum(section_heads, batch_heads - first_bh)  # the last section may be short
-    r = t - first_bh * q_blocks
-    bh = first_bh + r % heads_here
-    q_block = q_blocks - 1 - r // heads_here
-    b = bh // num_heads
-    h = bh % num_heads
+    """Tile t (_sm90_query_tile): (b, h, bh, its first query, its runs of kv blocks)."""
+    b, h, bh, q_block = _sm90_query_tile(t, batch_heads, section_heads, num_heads, q_len, BLOCK_M)
     q_first = q_block * BLOCK_M
     q_last = gl.minimum(q_first + BLOCK_M, q_len) - 1
     kv_lo = floordiv(param_chunk * floordiv(q_first, param_chunk), BLOCK_N)
@@ -980,25 +1038,6 @@ def _sm90_tile(t, batch_heads, section_heads, num_heads, q_len, kv_len, param_ch
     full_lo = tl.minimum(kv_hi, tl.maximum(kv_lo, floordiv(BLOCK_N + param_chunk * floordiv(q_last, param_chunk) - 1, BLOCK_N)))
     full_hi = tl.minimum(kv_hi, tl.maximum(full_lo, floordiv(tl.minimum(tl.minimum(kv_len, q_first + 1), param_chunk + param_chunk * floordiv(q_first, param_chunk)), BLOCK_N)))
     return b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi
-
-
-@gluon.jit
-def _sm90_give_tile(tile_smem, tile_ready, tile_empty, t, given):
-    """The loader hands tile t (-1: no more) to both consumers through a slot of a two-slot ring."""
-    slot = given % 2
-    mbarrier.wait(tile_empty.index(slot), given // 2 & 1 ^ 1)  # a fresh barrier counts as released
-    tile_smem.index(slot).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
-    mbarrier.arrive(tile_ready.index(slot), count=1)
-
-
-@gluon.jit
-def _sm90_take_tile(tile_smem, tile_ready, tile_empty, taken):
-    """A consumer's next tile from the loader (-1: no more)."""
-    slot = taken % 2
-    mbarrier.wait(tile_ready.index(slot), taken // 2 & 1)
-    t = gl.max(tile_smem.index(slot).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
-    mbarrier.arrive(tile_empty.index(slot), count=1)  # released by both consumers
-    return t
 
 
 @gluon.jit
@@ -1033,9 +1072,9 @@ def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empt
     of a static share (every num_programs-th), or DYNAMIC the next not taken by any program (an
     atomic counter, for tiles of unequal cost), and hands each to the consumers."""
     if PERSISTENT and DYNAMIC:
-        tiles = gl.cdiv(q_len, BLOCK_M) * batch_heads
         it = 0
         done = 0
+        tiles = gl.cdiv(q_len, BLOCK_M) * batch_heads
         t = gl.program_id(0)  # the first tile of each program is its own
         while t < tiles:
             _sm90_give_tile(tile_smem, tile_ready, tile_empty, t, done)
@@ -1056,11 +1095,13 @@ def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empt
                                  v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads, q_len,
                                  kv_len, param_chunk, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8)
             done += 1
-    else:
-        # (`it` as a tensor: the kv loops carry it)
-        _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, gl.program_id(0), 0, gl.to_tensor(0), batch_heads, section_heads, num_heads, q_len,
-                        kv_len, param_chunk, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8)
+    else:  # a program per tile (`it` as a tensor: the loops carry it)
+        t = gl.program_id(0)
+        done = 0
+        it = gl.to_tensor(0)
+        it = _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                             v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads, q_len,
+                             kv_len, param_chunk, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8)
 
 
 @gluon.jit
@@ -1287,11 +1328,14 @@ def _sm90_consumer(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready
                                     q_len, kv_len, scale, param_chunk, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP,
                                     FP8, O_IN_Q)
             done += 1
-    else:  # (`it` as a tensor: the kv loops carry it)
-        _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                           v_ready, v_empty, gl.program_id(0), 0, gl.to_tensor(0), batch_heads, section_heads,
-                           num_heads, q_len, kv_len, scale, param_chunk, HALF, STAGES, BLOCK_M, BLOCK_N,
-                           GROUP, FP8, O_IN_Q)
+    else:  # a program per tile (`it` as a tensor: the loops carry it)
+        t = gl.program_id(0)
+        done = 0
+        it = gl.to_tensor(0)
+        it = _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                k_empty, v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads,
+                                q_len, kv_len, scale, param_chunk, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP,
+                                FP8, O_IN_Q)
     tma.store_wait(0)
 
 
@@ -1330,15 +1374,10 @@ def _attention_fwd_sm90(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # The persistent programs' tiles, from the loader to the consumers: two slots of one index each.
-    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_smem, tile_ready, tile_empty = _sm90_tile_ring()
     for half in gl.static_range(2):
         mbarrier.init(q_ready.index(half), count=1)
         mbarrier.init(q_empty.index(half), count=1)  # released by its consumer
-        mbarrier.init(tile_ready.index(half), count=1)
-        mbarrier.init(tile_empty.index(half), count=2)  # released by both consumers
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
@@ -1379,6 +1418,10 @@ def _attention_fwd_sm90(
 # through a ring of shared-memory buffers with TMA, and its LSE and delta beside them. The five
 # products of the dK/dV step run as asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T together,
 # then dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from registers. Same tile bounds, mask and score as _attention_bwd_dkdv.
+#
+# A tile is a kv block of one unit (a batch, a kv head, a part of its group of query heads), walked in
+# _sm90_key_tile's order (see the tile walks above): persistent, the loader fetches the next tile's K and
+# V and its first Q and dO while the consumers store this one's dK and dV.
 
 
 @gluon.jit
@@ -1414,17 +1457,20 @@ def _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, 
 
 
 @gluon.jit
-def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                      kv_ready, ready, empty, b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, param_chunk,
-                      GROUP: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The loader warp: each consumer's half of K and V, then Q, dO, LSE and delta of every q block in order."""
+def _sm90_dkdv_load_tile(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                         delta_smem, kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
+                         q_len, kv_len, param_chunk, GROUP: gl.constexpr, SPLITS: gl.constexpr,
+                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t's loads, the program's `done`-th: each consumer's half of K and V once both are done
+    with the last tile's, then Q, dO, LSE and delta of every q block in order (`it` counts ring slots used)."""
     ROWS: gl.constexpr = BLOCK_N // 2
+    b, h_kv, part, kv_block = _sm90_key_tile(t, units, section_units, num_heads, kv_len, GROUP, SPLITS, BLOCK_N)
+    kv_first = kv_block * BLOCK_N
+    mbarrier.wait(kv_empty, done & 1 ^ 1)  # a fresh barrier counts as released
     mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, kv_first + half * ROWS, 0], kv_ready, k_smem.index(half))
         tma.async_copy_global_to_shared(v_desc, [b, h_kv, kv_first + half * ROWS, 0], kv_ready, v_smem.index(half))
-    it = 0
     for g in range(GROUP // SPLITS):
         h = part * (GROUP // SPLITS) + g
         q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, param_chunk, BLOCK_M, BLOCK_N)
@@ -1435,6 +1481,50 @@ def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_sme
                                  DELTA + row, q_full_lo, q_full_hi, it, q_len, STAGES, BLOCK_M)
         it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
                                  DELTA + row, q_full_hi, q_hi, it, q_len, STAGES, BLOCK_M)
+    return it
+
+
+@gluon.jit
+def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                      delta_smem, kv_ready, kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, TILE_COUNTER,
+                      units, section_units, num_heads, q_len, kv_len, param_chunk, GROUP: gl.constexpr,
+                      SPLITS: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The loader warp: the loads of this program's tiles, which it picks when persistent (as the forward's)."""
+    if PERSISTENT and DYNAMIC:
+        it = 0
+        done = 0
+        tiles = gl.cdiv(kv_len, BLOCK_N) * units
+        t = gl.program_id(0)  # the first tile of each program is its own
+        while t < tiles:
+            _sm90_give_tile(tile_smem, tile_ready, tile_empty, t, done)
+            it = _sm90_dkdv_load_tile(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem,
+                                      lse_smem, delta_smem, kv_ready, kv_empty, ready, empty, t, done, it, units,
+                                      section_units, num_heads, q_len, kv_len, param_chunk, GROUP, SPLITS,
+                                      STAGES, BLOCK_M, BLOCK_N)
+            done += 1
+            # Taken once this tile's loads are issued: the consumers are a tile behind, so they do
+            # not wait for the atomic's round trip. Relaxed: the count orders nothing else (the
+            # default acq_rel fences the loader's memory traffic at each take).
+            t = gl.num_programs(0) + gl.atomic_add(TILE_COUNTER, 1, sem="relaxed")
+        _sm90_give_tile(tile_smem, tile_ready, tile_empty, -1, done)
+    elif PERSISTENT:
+        it = 0
+        done = 0
+        for t in range(gl.program_id(0), gl.cdiv(kv_len, BLOCK_N) * units, gl.num_programs(0)):
+            it = _sm90_dkdv_load_tile(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem,
+                                      lse_smem, delta_smem, kv_ready, kv_empty, ready, empty, t, done, it, units,
+                                      section_units, num_heads, q_len, kv_len, param_chunk, GROUP, SPLITS,
+                                      STAGES, BLOCK_M, BLOCK_N)
+            done += 1
+    else:  # a program per tile (`it` as a tensor: the loops carry it)
+        t = gl.program_id(0)
+        done = 0
+        it = gl.to_tensor(0)
+        it = _sm90_dkdv_load_tile(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem,
+                                  lse_smem, delta_smem, kv_ready, kv_empty, ready, empty, t, done, it, units,
+                                  section_units, num_heads, q_len, kv_len, param_chunk, GROUP, SPLITS,
+                                  STAGES, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -1483,31 +1573,32 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem
 
 
 @gluon.jit
-def _sm90_dkdv_consumer(dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
-                        b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale, param_chunk,
-                        HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
-    """A consumer warpgroup: keys [HALF * ROWS, (HALF + 1) * ROWS) of the block, over every q block that sees them."""
-    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready,
+                            empty, t, done, it, units, section_units, num_heads, q_len, kv_len,
+                            scale, param_chunk, HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr,
+                            STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
+    """Keys [HALF * ROWS, (HALF + 1) * ROWS) of tile t's kv block, the program's `done`-th, over every q
+    block that sees them; returns `it`."""
     ROWS: gl.constexpr = BLOCK_N // 2
     BLOCK_D: gl.constexpr = k_smem.shape[4]
     BLOCK_DV: gl.constexpr = v_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
     dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_DV, 16])
+    b, h_kv, part, kv_block = _sm90_key_tile(t, units, section_units, num_heads, kv_len, GROUP, SPLITS, BLOCK_N)
+    kv_first = kv_block * BLOCK_N
 
-    kv_first = kv_first + HALF * ROWS
-    kv_idx = gl.expand_dims(kv_first + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)), 1)
+    kv_idx = gl.expand_dims(kv_first + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)), 1)
     k_tile = k_smem.index(HALF).reshape([ROWS, BLOCK_D])
     v_tile = v_smem.index(HALF).reshape([ROWS, BLOCK_DV])
     dk = gl.zeros([ROWS, BLOCK_D], gl.float32, dk_layout)
     dv = gl.zeros([ROWS, BLOCK_DV], gl.float32, dv_layout)
-    mbarrier.wait(kv_ready, 0)
-    it = 0
+    mbarrier.wait(kv_ready, done & 1)
     for g in range(GROUP // SPLITS):
         h = part * (GROUP // SPLITS) + g
         # The bounds of the whole kv block, as the loader walks them (this half's keys are masked).
-        q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first - HALF * ROWS, q_len, kv_len, param_chunk, BLOCK_M, BLOCK_N)
+        q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, param_chunk, BLOCK_M, BLOCK_N)
         dk, dv, it = _sm90_dkdv_consume_run(
             dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
             b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_chunk, True, STAGES, BLOCK_M,
@@ -1520,11 +1611,54 @@ def _sm90_dkdv_consumer(dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_sme
             dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
             b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, param_chunk, True, STAGES, BLOCK_M,
         )
+    # Every product that read K and V has been waited for: the loader may fetch the next tile's.
+    mbarrier.arrive(kv_empty, count=1)
 
     # Plain stores, in the accumulators' layout (float32 parts, or the gradients' dtype): keys past
-    # kv_len and columns past the head dim are dropped.
-    _sm90_store_rows(dk_ptr, dk * scale, kv_first, kv_len, HEAD_DIM)
-    _sm90_store_rows(dv_ptr, dv, kv_first, kv_len, HEAD_DIM_V)
+    # kv_len and columns past the head dim are dropped. This program's unit has [kv_len, head_dim]
+    # rows of DK and DV (contiguous, allocated by _backward).
+    unit_rows = (b * (num_heads // GROUP) * SPLITS + part).to(gl.int64) * kv_len
+    _sm90_store_rows(DK + unit_rows * HEAD_DIM, dk * scale, kv_first + HALF * ROWS, kv_len, HEAD_DIM)
+    _sm90_store_rows(DV + unit_rows * HEAD_DIM_V, dv, kv_first + HALF * ROWS, kv_len, HEAD_DIM_V)
+    return it
+
+
+@gluon.jit
+def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty,
+                        tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
+                        scale, param_chunk, HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr,
+                        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        HEAD_DIM_V: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """A consumer warpgroup: its half of the keys of each of this program's tiles."""
+    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+    if PERSISTENT and DYNAMIC:
+        it = 0
+        done = 0
+        t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
+        while t >= 0:
+            it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
+                                         kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
+                                         q_len, kv_len, scale, param_chunk, HALF, GROUP, SPLITS, STAGES,
+                                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
+            done += 1
+            t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
+    elif PERSISTENT:
+        it = 0
+        done = 0
+        for t in range(gl.program_id(0), gl.cdiv(kv_len, BLOCK_N) * units, gl.num_programs(0)):
+            it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
+                                         kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
+                                         q_len, kv_len, scale, param_chunk, HALF, GROUP, SPLITS, STAGES,
+                                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
+            done += 1
+    else:  # a program per tile (`it` as a tensor: the loops carry it)
+        t = gl.program_id(0)
+        done = 0
+        it = gl.to_tensor(0)
+        it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
+                                     kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
+                                     q_len, kv_len, scale, param_chunk, HALF, GROUP, SPLITS, STAGES,
+                                     BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
 
 
 @gluon.jit
@@ -1539,25 +1673,15 @@ def _sm90_store_rows(ptr, tile, first, length, width: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "param_chunk"])
 def _attention_bwd_dkdv_sm90(
-    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
-    num_heads, q_len, kv_len, scale, param_chunk,
+    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, TILE_COUNTER,
+    num_heads, q_len, kv_len, scale, units, section_units, param_chunk,
     GROUP: gl.constexpr, SPLITS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    """dK and dV of one kv block over the query heads of its group, or one of SPLITS parts of them
+    """dK and dV of kv blocks over the query heads of their group, or one of SPLITS parts of them
     (then DK and DV are float32 partial sums, one row of heads per part), as _attention_bwd_dkdv."""
-    kv_block = gl.program_id(0)
-    kv_heads = num_heads // GROUP
-    b = gl.program_id(1) // (kv_heads * SPLITS)
-    part = gl.program_id(1) % (kv_heads * SPLITS)
-    h_kv = part // SPLITS
-    kv_first = kv_block * BLOCK_N
     ROWS: gl.constexpr = BLOCK_N // 2
-    # This program's [kv_len, head_dim] rows of DK and DV (contiguous, allocated by _backward).
-    parts = (b * kv_heads * SPLITS + part).to(gl.int64) * kv_len
-    dk_ptr = DK + parts * HEAD_DIM
-    dv_ptr = DV + parts * HEAD_DIM_V
-
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
@@ -1566,9 +1690,12 @@ def _attention_bwd_dkdv_sm90(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    tile_smem, tile_ready, tile_empty = _sm90_tile_ring()
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(kv_empty, count=2)  # released by both consumers
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=2)  # the TMA copies', then the loader's once it stored LSE and delta
         mbarrier.init(empty.index(slot), count=2)  # released by both consumers
@@ -1577,21 +1704,24 @@ def _attention_bwd_dkdv_sm90(
         [
             (
                 _sm90_dkdv_consumer,
-                (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
-                 b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale, param_chunk,
-                 0, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V),
+                (DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty,
+                 tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
+                 scale, param_chunk, 0, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
+                 PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dkdv_consumer,
-                (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
-                 b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, scale, param_chunk,
-                 1, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V),
+                (DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty,
+                 tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
+                 scale, param_chunk, 1, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
+                 PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dkdv_loader,
                 (q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                 kv_ready, ready, empty, b, h_kv, part, kv_block, kv_first, num_heads, q_len, kv_len, param_chunk,
-                 GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N),
+                 kv_ready, kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, TILE_COUNTER, units,
+                 section_units, num_heads, q_len, kv_len, param_chunk, GROUP, SPLITS, STAGES, BLOCK_M,
+                 BLOCK_N, PERSISTENT, DYNAMIC),
             ),
         ],
         [4, 1],  # warps: the second consumer, the loader
@@ -1608,6 +1738,9 @@ def _attention_bwd_dkdv_sm90(
 # dK/dV kernel. The warpgroups never wait for each other, so one's softmax runs under the other's
 # products. Same tile bounds, mask and score as _attention_bwd_dq; trained params' gradients are
 # gathered by that kernel only, which serves the calls that want them (_backward).
+#
+# A tile is a query block of one (batch, head), walked in _sm90_query_tile's order (see the tile walks
+# above): persistent, the loader fetches the next tile's Q, dO and O once its dQ has left Q's buffer.
 
 
 @gluon.jit
@@ -1636,21 +1769,66 @@ def _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h_kv, blo
 
 
 @gluon.jit
-def _sm90_dq_loader(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready,
-                    empty, b, h, q_block, q_first, q_len, kv_len, param_chunk, GROUP: gl.constexpr,
-                    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The loader warp: each consumer's half of Q, dO and O, then K and V of every kv block in order."""
+def _sm90_dq_load_tile(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready,
+                       q_empty, ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len,
+                       kv_len, param_chunk, GROUP: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr):
+    """Tile t's loads, the program's `done`-th: each consumer's half of Q, dO and O once both
+    consumers' dQ of the last tile has left Q's buffer, then K and V of every kv block in order (`it`
+    counts ring slots used)."""
     ROWS: gl.constexpr = BLOCK_M // 2
+    b, h, bh, q_block = _sm90_query_tile(t, batch_heads, section_heads, num_heads, q_len, BLOCK_M)
+    q_first = q_block * BLOCK_M
+    mbarrier.wait(q_empty, done & 1 ^ 1)  # a fresh barrier counts as released
     mbarrier.expect(q_ready, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes))
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [b, h, q_first + half * ROWS, 0], q_ready, q_smem.index(half))
         tma.async_copy_global_to_shared(do_desc, [b, h, q_first + half * ROWS, 0], q_ready, do_smem.index(half))
         tma.async_copy_global_to_shared(o_desc, [b, h, q_first + half * ROWS, 0], q_ready, o_smem.index(half))
     kv_lo, kv_hi, full_lo, full_hi = _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, param_chunk, BLOCK_M, BLOCK_N)
-    it = gl.to_tensor(0)  # (a tensor: the kv loops carry it)
     it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, kv_lo, full_lo, it, STAGES, BLOCK_N)
     it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, full_lo, full_hi, it, STAGES, BLOCK_N)
     it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, full_hi, kv_hi, it, STAGES, BLOCK_N)
+    return it
+
+
+@gluon.jit
+def _sm90_dq_loader(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                    ready, empty, tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads,
+                    num_heads, q_len, kv_len, param_chunk, GROUP: gl.constexpr, STAGES: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The loader warp: the loads of this program's tiles, which it picks when persistent (as the forward's)."""
+    if PERSISTENT and DYNAMIC:
+        it = 0
+        done = 0
+        tiles = gl.cdiv(q_len, BLOCK_M) * batch_heads
+        t = gl.program_id(0)  # the first tile of each program is its own
+        while t < tiles:
+            _sm90_give_tile(tile_smem, tile_ready, tile_empty, t, done)
+            it = _sm90_dq_load_tile(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem,
+                                    q_ready, q_empty, ready, empty, t, done, it, batch_heads, section_heads,
+                                    num_heads, q_len, kv_len, param_chunk, GROUP, STAGES, BLOCK_M, BLOCK_N)
+            done += 1
+            # Taken once this tile's loads are issued: the consumers are a tile behind, so they do
+            # not wait for the atomic's round trip. Relaxed: the count orders nothing else (the
+            # default acq_rel fences the loader's memory traffic at each take).
+            t = gl.num_programs(0) + gl.atomic_add(TILE_COUNTER, 1, sem="relaxed")
+        _sm90_give_tile(tile_smem, tile_ready, tile_empty, -1, done)
+    elif PERSISTENT:
+        it = 0
+        done = 0
+        for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
+            it = _sm90_dq_load_tile(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem,
+                                    q_ready, q_empty, ready, empty, t, done, it, batch_heads, section_heads,
+                                    num_heads, q_len, kv_len, param_chunk, GROUP, STAGES, BLOCK_M, BLOCK_N)
+            done += 1
+    else:  # a program per tile (`it` as a tensor: the loops carry it)
+        t = gl.program_id(0)
+        done = 0
+        it = gl.to_tensor(0)
+        it = _sm90_dq_load_tile(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem,
+                                q_ready, q_empty, ready, empty, t, done, it, batch_heads, section_heads,
+                                num_heads, q_len, kv_len, param_chunk, GROUP, STAGES, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -1690,11 +1868,12 @@ def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, re
 
 
 @gluon.jit
-def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready, empty,
-                      b, h, bh, q_block, q_first, q_len, kv_len, scale, param_chunk,
-                      HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """A consumer warpgroup: queries [HALF * ROWS, (HALF + 1) * ROWS) of the block, over every kv block they see."""
-    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+def _sm90_dq_consume_tile(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
+                          empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
+                          scale, param_chunk, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr):
+    """Queries [HALF * ROWS, (HALF + 1) * ROWS) of tile t's block, the program's `done`-th, over every
+    kv block they see; returns `it`."""
     ROWS: gl.constexpr = BLOCK_M // 2
     BLOCK_D: gl.constexpr = q_smem.shape[4]
     BLOCK_DV: gl.constexpr = do_smem.shape[4]
@@ -1704,6 +1883,8 @@ def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem
     # O and dO as 8 consecutive columns a thread, for delta's row sums.
     row_major: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
+    b, h, bh, q_block = _sm90_query_tile(t, batch_heads, section_heads, num_heads, q_len, BLOCK_M)
+    q_first = q_block * BLOCK_M
     # The bounds of the whole q block, as the loader walks them (this half's queries are masked).
     kv_lo, kv_hi, full_lo, full_hi = _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, param_chunk, BLOCK_M, BLOCK_N)
     q_first = q_first + HALF * ROWS
@@ -1713,7 +1894,7 @@ def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem
     lse = gl.load(LSE + at, mask=offs_m < q_len, other=0.0)
     q_tile = q_smem.index(HALF).reshape([ROWS, BLOCK_D])
     do_tile = do_smem.index(HALF).reshape([ROWS, BLOCK_DV])
-    mbarrier.wait(q_ready, 0)
+    mbarrier.wait(q_ready, done & 1)
     # delta = rowsum(dO * O) - dLSE (see _attention_bwd_dq), stored for the dK/dV kernel.
     o = o_smem.index(HALF).reshape([ROWS, BLOCK_DV]).load(row_major).to(gl.float32)
     do = do_tile.load(row_major).to(gl.float32)
@@ -1725,7 +1906,6 @@ def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem
     dq = gl.zeros([ROWS, BLOCK_D], gl.float32, dq_layout)
     lse = gl.expand_dims(lse, 1)
     delta = gl.expand_dims(delta, 1)
-    it = gl.to_tensor(0)  # (a tensor: the kv loops carry it)
     dq, it = _sm90_dq_consume_run(
         dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
         kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, param_chunk, True, STAGES, BLOCK_N,
@@ -1745,32 +1925,68 @@ def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [b, h, q_first, 0], dq_tile)
     tma.store_wait(0)
+    mbarrier.arrive(q_empty, count=1)  # the loader may refill Q, dO and O
+    return it
+
+
+@gluon.jit
+def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
+                      empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                      scale, param_chunk, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """A consumer warpgroup: its half of the queries of each of this program's tiles."""
+    gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
+    if PERSISTENT and DYNAMIC:
+        it = 0
+        done = 0
+        t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
+        while t >= 0:
+            it = _sm90_dq_consume_tile(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready,
+                                       q_empty, ready, empty, t, done, it, batch_heads, section_heads, num_heads,
+                                       q_len, kv_len, scale, param_chunk, HALF, STAGES, BLOCK_M,
+                                       BLOCK_N)
+            done += 1
+            t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
+    elif PERSISTENT:
+        it = 0
+        done = 0
+        for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
+            it = _sm90_dq_consume_tile(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready,
+                                       q_empty, ready, empty, t, done, it, batch_heads, section_heads, num_heads,
+                                       q_len, kv_len, scale, param_chunk, HALF, STAGES, BLOCK_M,
+                                       BLOCK_N)
+            done += 1
+    else:  # a program per tile (`it` as a tensor: the loops carry it)
+        t = gl.program_id(0)
+        done = 0
+        it = gl.to_tensor(0)
+        it = _sm90_dq_consume_tile(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready,
+                                   q_empty, ready, empty, t, done, it, batch_heads, section_heads, num_heads,
+                                   q_len, kv_len, scale, param_chunk, HALF, STAGES, BLOCK_M,
+                                   BLOCK_N)
 
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "param_chunk"])
 def _attention_bwd_dq_sm90(
-    q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc,
-    num_heads, q_len, kv_len, scale, param_chunk,
+    q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc, TILE_COUNTER,
+    num_heads, q_len, kv_len, scale, batch_heads, section_heads, param_chunk,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    """dQ of one q block of one head, and its rows of delta, as _attention_bwd_dq."""
-    q_block = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest first, as in the forward
-    bh = gl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    q_first = q_block * BLOCK_M
+    """dQ of q blocks, and their rows of delta, as _attention_bwd_dq."""
     ROWS: gl.constexpr = BLOCK_M // 2
-
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], q_desc.layout)
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    tile_smem, tile_ready, tile_empty = _sm90_tile_ring()
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # released by both consumers
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(empty.index(slot), count=2)  # released by both consumers
@@ -1779,18 +1995,22 @@ def _attention_bwd_dq_sm90(
         [
             (
                 _sm90_dq_consumer,
-                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready, empty,
-                 b, h, bh, q_block, q_first, q_len, kv_len, scale, param_chunk, 0, STAGES, BLOCK_M, BLOCK_N),
+                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
+                 tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                 scale, param_chunk, 0, STAGES, BLOCK_M, BLOCK_N, PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dq_consumer,
-                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready, empty,
-                 b, h, bh, q_block, q_first, q_len, kv_len, scale, param_chunk, 1, STAGES, BLOCK_M, BLOCK_N),
+                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
+                 tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                 scale, param_chunk, 1, STAGES, BLOCK_M, BLOCK_N, PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dq_loader,
-                (q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, ready,
-                 empty, b, h, q_block, q_first, q_len, kv_len, param_chunk, GROUP, STAGES, BLOCK_M, BLOCK_N),
+                (q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                 ready, empty, tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads,
+                 num_heads, q_len, kv_len, param_chunk, GROUP, STAGES, BLOCK_M, BLOCK_N, PERSISTENT,
+                 DYNAMIC),
             ),
         ],
         [4, 1],  # warps: the second consumer, the loader
@@ -1924,29 +2144,34 @@ def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
         block_m, block_n, stages, warps = SM90_FP8_BLOCK_M, SM90_FP8_BLOCK_N, SM90_FP8_NUM_STAGES, SM90_FP8_NUM_WARPS
         v_desc = _nvmma_descriptor(v, BLOCK_DV, block_n)
     rows = block_m // 2  # per consumer warpgroup
-    tiles = _cdiv(q_len, block_m) * batch * heads
-    programs = min(tiles, _sm_count(q.device)) if SM90_PERSISTENT else tiles  # one fits an SM
-    # Each program's first tile is its own; the counter hands out the rest (zeroed per call: launches
-    # on other streams must not share it).
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if SM90_PERSISTENT and SM90_DYNAMIC else None
+    programs, counter = _sm90_programs(_cdiv(q_len, block_m) * batch * heads, q.device)
+    kv_head_bytes = kv_len * (BLOCK_D + BLOCK_DV) * k.element_size()  # each kv head serves `group` heads
     _attention_fwd_sm90[(programs,)](
         _nvmma_descriptor(q, rows), _nvmma_descriptor(k, block_n), v_desc, _nvmma_descriptor(out, rows, BLOCK_DV), lse,
         descale, counter, heads, q_len, kv_len, scale, batch * heads,
-        _sm90_section_heads(batch * heads, group, kv_len, k), *params, GROUP=group, BLOCK_M=block_m,
+        _sm90_section(batch * heads, kv_head_bytes, group), *params, GROUP=group, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, FP8=descale is not None,
         PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
     )
 
 
-def _sm90_section_heads(batch_heads, group, kv_len, k):
-    """How many (batch, head) pairs the Hopper forward walks together (_sm90_tile): one, head after
-    head, but in the counter walk as many as share SM90_L2_BYTES of K and V (each kv head serves
-    `group` of them), at least one. (Tiles of equal cost gain nothing from sections and lose L2 to
-    them: 64-head sections were 9 % slower at full 1k.)"""
+def _sm90_programs(tiles, device):
+    """A Hopper kernel's grid, and the counter its dynamic walk takes tiles from: a program per SM
+    when persistent (one fits an SM), else a program per tile. Each program's first tile is its own;
+    the counter hands out the rest (zeroed per call: launches on other streams must not share it)."""
+    programs = min(tiles, _sm_count(device)) if SM90_PERSISTENT else tiles
+    return programs, torch.zeros(1, dtype=torch.int32, device=device) if SM90_PERSISTENT and SM90_DYNAMIC else None
+
+
+def _sm90_section(units, load_bytes, units_per_load=1):
+    """How many units the Hopper kernels walk together (_sm90_query_tile's (batch, head) pairs,
+    _sm90_key_tile's units): one, unit after unit, but in the counter walk as many as share SM90_L2_BYTES of what their
+    tiles stream (a kv head's K and V, serving units_per_load pairs; a unit's Q and dO), at least one.
+    (Tiles of equal cost gain nothing from sections and lose L2 to them: 64-head sections were 9 %
+    slower at full 1k.)"""
     if not SM90_DYNAMIC:
         return 1
-    kv_head_bytes = kv_len * (BLOCK_D + BLOCK_DV) * k.element_size()
-    return max(1, min(batch_heads, SM90_L2_BYTES // max(kv_head_bytes, 1) * group))
+    return max(1, min(units, SM90_L2_BYTES // max(load_bytes, 1) * units_per_load))
 
 
 def _fp8_transposed(v):
@@ -2003,12 +2228,15 @@ def _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
     block_m, block_n, warps, stages = _tiles("SM90_DQ_", q.device)
-    _attention_bwd_dq_sm90[(_cdiv(q_len, block_m), batch * heads)](
+    programs, counter = _sm90_programs(_cdiv(q_len, block_m) * batch * heads, q.device)
+    kv_head_bytes = kv_len * (BLOCK_D + BLOCK_DV) * k.element_size()  # each kv head serves `group` heads
+    _attention_bwd_dq_sm90[(programs,)](
         _nvmma_descriptor(q, block_m // 2), _nvmma_descriptor(k, block_n), _nvmma_descriptor(v, block_n, BLOCK_DV),
         _nvmma_descriptor(out, block_m // 2, BLOCK_DV), _nvmma_descriptor(dout, block_m // 2, BLOCK_DV), lse,
-        _dlse_rows(dlse), delta, _nvmma_descriptor(dq, block_m // 2),
-        heads, q_len, kv_len, scale, *params, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
+        _dlse_rows(dlse), delta, _nvmma_descriptor(dq, block_m // 2), counter, heads, q_len, kv_len, scale,
+        batch * heads, _sm90_section(batch * heads, kv_head_bytes, group), *params, GROUP=group,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages,
+        PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
     )
 
 
@@ -2043,11 +2271,15 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         dk_parts, dv_parts = dk, dv
     grid = (kv_blocks, batch * kv_heads * splits)
     if hopper:
-        _attention_bwd_dkdv_sm90[grid](
+        units = batch * kv_heads * splits
+        programs, counter = _sm90_programs(kv_blocks * units, q.device)
+        unit_bytes = group // splits * q_len * (BLOCK_D + BLOCK_DV) * q.element_size()  # its Q and dO
+        _attention_bwd_dkdv_sm90[(programs,)](
             _nvmma_descriptor(q, block_m), _nvmma_descriptor(k, block_n // 2), _nvmma_descriptor(v, block_n // 2, BLOCK_DV),
-            _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts,
-            heads, q_len, kv_len, scale, *params, GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, STAGES=stages,
+            _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts, counter,
+            heads, q_len, kv_len, scale, units, _sm90_section(units, unit_bytes), *params, GROUP=group,
+            SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM,
+            HEAD_DIM_V=HEAD_DIM_V, STAGES=stages, PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC,
             num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
         )
         if splits > 1:
