@@ -1607,7 +1607,7 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
     dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_DV, 16])
-    b, h_kv, part, kv_block = _sm90_key_tile(t, units, section_units, num_heads, kv_len, GROUP, SPLITS, BLOCK_N)
+    b, _, part, kv_block = _sm90_key_tile(t, units, section_units, num_heads, kv_len, GROUP, SPLITS, BLOCK_N)
     kv_first = kv_block * BLOCK_N
 
     kv_idx = gl.expand_dims(kv_first + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)), 1)
@@ -1636,8 +1636,8 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
     mbarrier.arrive(kv_empty, count=1)
 
     # Plain stores, in the accumulators' layout (float32 parts, or the gradients' dtype): keys past
-    # kv_len and columns past the head dim are dropped. This program's unit has [kv_len, head_dim]
-    # rows of DK and DV (contiguous, allocated by _backward).
+    # kv_len and columns past the head dim are dropped. The tile's unit has [kv_len, head_dim] rows
+    # of DK and DV (contiguous, allocated by _backward).
     unit_rows = (b * (num_heads // GROUP) * SPLITS + part).to(gl.int64) * kv_len
     _sm90_store_rows(DK + unit_rows * HEAD_DIM, dk * scale, kv_first + HALF * ROWS, kv_len, HEAD_DIM)
     _sm90_store_rows(DV + unit_rows * HEAD_DIM_V, dv, kv_first + HALF * ROWS, kv_len, HEAD_DIM_V)
@@ -2187,10 +2187,10 @@ def _sm90_programs(tiles, device):
 
 def _sm90_section(units, load_bytes, units_per_load=1):
     """How many units the Hopper kernels walk together (_sm90_query_tile's (batch, head) pairs,
-    _sm90_key_tile's units): one, unit after unit, but in the counter walk as many as share SM90_L2_BYTES of what their
-    tiles stream (a kv head's K and V, serving units_per_load pairs; a unit's Q and dO), at least one.
-    (Tiles of equal cost gain nothing from sections and lose L2 to them: 64-head sections were 9 %
-    slower at full 1k.)"""
+    _sm90_key_tile's units): one, unit after unit, but in the counter walk as many as share
+    SM90_L2_BYTES of what their tiles stream (a kv head's K and V, serving units_per_load pairs; a
+    unit's Q and dO), at least one. (Tiles of equal cost gain nothing from sections and lose L2 to
+    them: 64-head sections were 9 % slower at full 1k.)"""
     if not SM90_DYNAMIC:
         return 1
     return max(1, min(units, SM90_L2_BYTES // max(load_bytes, 1) * units_per_load))
