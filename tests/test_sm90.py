@@ -58,9 +58,9 @@ def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk):
 
 
 def test_the_hopper_kernels_take_tiles_from_a_counter_where_they_differ_in_cost():
-    """The Hopper kernels have a program per SM everywhere: each walks a static share
-    of the tiles where every tile walks the same blocks, and takes its next tile from an atomic
-    counter, heaviest first, where they differ (by block, batch, head or a block table)."""
+    """The Hopper kernels have a program per SM everywhere: each walks a static share of the tiles
+    where every tile walks the same blocks, and takes its next tile from an atomic counter, heaviest
+    first, where they differ (by block, batch, head or a block table)."""
 
     def dynamic(name):
         source = _source(load_spec(f"specs/{name}.toml"))
