@@ -69,16 +69,18 @@ class Candidate:
 
 
 _SPACE = [Candidate(*c) for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
-# The Gluon kernels: 128 rows in two consumer warpgroups of one warpgroup each (validated by the
-# backend); the block they step over and their ring's depth are free.
-_HOPPER_SPACE = [Candidate(128, step, 4, stages) for step in (64, 128) for stages in (2, 3)]
+# The Gluon kernels: two consumer warpgroups of one warpgroup each over 128 rows, 64 each (validated
+# by the backend), or in the backward also over 64 rows, all for both (each half of the gradient's
+# columns); the block they step over and their ring's depth are free.
+_HOPPER_SPACE = [Candidate(rows, step, 4, stages) for rows in (64, 128) for step in (64, 128) for stages in (2, 3)]
 
 
 def search_space(kernel: Kernel, quick: bool) -> list[Candidate]:
     """The Triton kernels: 36 candidates; --quick keeps 3 stages, and 8 warps exactly for tiles of
-    128 x 64 or more (the usual winners on Hopper): 6. The Gluon kernels: 4."""
+    128 x 64 or more (the usual winners on Hopper): 6. The Gluon kernels: 4 (the forwards), 8 (dQ
+    and dK/dV)."""
     if kernel.language == "gluon":
-        return list(_HOPPER_SPACE)
+        return [c for c in _HOPPER_SPACE if c.rows == 128 or kernel.name in ("bwd_dq_sm90", "bwd_dkdv_sm90")]
     if quick:
         return [c for c in _SPACE if c.stages == 3 and (c.warps == 8) == (c.rows * c.step >= 128 * 64)]
     return list(_SPACE)

@@ -48,7 +48,7 @@ from attngen.reference import attention_ref_torch
 from attngen.spec import load_spec, retarget, with_config
 
 ROOT = Path(__file__).resolve().parent.parent
-MASK_ROWS = ("sliding_window", "prefix_lm", "document", "chunked", "alibi_slopes", "relative_bias")
+MASK_ROWS = ("sliding_window", "prefix_lm", "document", "chunked", "alibi_slopes", "relative_bias", "bias")
 IMPLS = ("sm90", "triton", "cuDNN", "FA2", "Flex")
 
 
@@ -164,7 +164,7 @@ def main() -> None:
     head_dims = [int(d) for d in args.head_dims.split(",")]
     chosen = [c for c in CASES if args.only is None or c.name in args.only.split(",")]
     plan = [(c, d, n) for c in chosen if c.grid for d in head_dims for n in seqs]
-    plan += [(c, max(head_dims), max(seqs)) for c in chosen if c.name in MASK_ROWS]
+    plan += [(c, max(head_dims), min(max(seqs), c.max_seq or max(seqs))) for c in chosen if c.name in MASK_ROWS]
     out_dir = Path(os.environ.get("OUT", "bench-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []

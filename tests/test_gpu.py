@@ -145,14 +145,18 @@ def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim,
     (forward), Q's, dO's and O's (dQ) and K's and V's (dK/dV) buffers refilled, barrier phases turned,
     O's tile (at D = 256 through Q's buffer) and dQ's (through Q's) stored again, block tables and sinks
     read per tile; the dynamic walk in L2 sections of 6 (batch, head) pairs (forward and dQ, the last
-    one short) and of 2 units (dK/dV). Heads of 256 take the Triton backward (sm90's shared memory)."""
+    one short) and of 2 units (dK/dV). Heads wider than 128 (value_dim's 192 too) take a dK/dV kernel
+    of 64 keys a program, and heads of 256 a dQ kernel of 64 queries a program, whose two consumers
+    split the columns of dK and dV, or of dQ."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm90 GPUs only")
     spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
     spec = retarget(spec, head_dim, spec.dtype) if head_dim else spec
     spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_forward_min_keys=0)
     module = harness.load_target(spec, "triton_gpu")
-    assert module.SM90_BACKWARD == module.SM90_DQ == (head_dim is None)
+    assert module.SM90_BACKWARD and module.SM90_DQ
+    assert module.SM90_DKDV_BLOCK_N == (64 if max(module.BLOCK_D, module.BLOCK_DV) > 128 else 128)
+    assert module.SM90_DQ_BLOCK_M == (64 if head_dim == 256 else 128)
     monkeypatch.setattr(module, "SM90_PERSISTENT", 1)  # (exact either way; only the balance differs)
     monkeypatch.setattr(module, "SM90_DYNAMIC", dynamic)
     monkeypatch.setattr(module, "_sm_count", lambda device: 5)

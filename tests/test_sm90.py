@@ -35,15 +35,20 @@ HOPPER_KERNELS = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90")  # each persistent
 
 
 @pytest.mark.parametrize(
-    ("name", "kernel", "walk"),
+    ("name", "kernel", "walk", "head_dim"),
     [
-        *((name, kernel, {}) for kernel in HOPPER_KERNELS for name in ("causal", "document")),
-        ("full", "fwd_sm90", {}),  # the persistent forward, a static share of the tiles per program
-        *(("causal", kernel, {"PERSISTENT": 0, "DYNAMIC": 0}) for kernel in HOPPER_KERNELS),  # a program per tile
+        *((name, kernel, {}, None) for kernel in HOPPER_KERNELS for name in ("causal", "document")),
+        ("full", "fwd_sm90", {}, None),  # the persistent forward, a static share of the tiles per program
+        *(("causal", kernel, {"PERSISTENT": 0, "DYNAMIC": 0}, None) for kernel in HOPPER_KERNELS),  # a program per tile
+        # Heads wider than 128 (value_dim's 192) and of 256: the dK/dV kernel holds 64 keys a program and the
+        # dQ kernel 64 queries, their consumers splitting the columns of dK and dV, or of dQ.
+        ("value_dim", "bwd_dkdv_sm90", {}, None),
+        *(("causal", kernel, {}, 256) for kernel in ("bwd_dq_sm90", "bwd_dkdv_sm90")),
     ],
 )  # closed-form tile bounds; block tables
-def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk):
+def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk, head_dim):
     spec = with_config(load_spec(f"specs/{name}.toml"), "triton_gpu", sm90_forward=1, sm90_backward=1)
+    spec = retarget(spec, head_dim, spec.dtype) if head_dim else spec
     module = harness.load_target(spec, "triton_gpu")
     ptx = harness.compiled_structure(_INSPECT, module.__file__, spec.dtype, kernel, json.dumps(walk))[-1]
     assert ptx["wgmma"] > 0 and ptx["tma_loads"] > 0  # asynchronous MMA fed by TMA
@@ -84,10 +89,13 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
     assert enabled(64, "bfloat16") == (1, 1, 1)
     assert enabled(32, "bfloat16") == (0, 0, 0)  # not measured
     assert enabled(128, "float32") == (0, 0, 0)  # wgmma takes no float32 inputs
-    # Heads of 256: the dQ kernel's Q, dO and O beside its K/V ring, and the dK/dV kernel's K and V
-    # beside its Q/dO ring, pass sm90's shared memory (257 KiB: the launch would fail).
-    assert enabled(256, "bfloat16") == (1, 0, 0)
-    text = 'name = "s"\nhead_dim = 256\ndtype = "bfloat16"\n[triton]\nsm90_backward = 1\n'
+    # Heads of 256: the dQ kernel's Q, dO and O of 128 queries beside its K/V ring, and the dK/dV
+    # kernel's K and V of 128 keys beside its Q/dO ring, would pass sm90's shared memory (the launch
+    # would fail): there they hold 64, their two consumers splitting the columns.
+    assert enabled(256, "bfloat16") == (1, 1, 1)
+    config = retarget(load_spec("specs/causal.toml"), 256, "bfloat16").config("triton_gpu")
+    assert (config.sm90_dq_block_m, config.sm90_dkdv_block_n, config.sm90_block_n) == (64, 64, 64)
+    text = 'name = "s"\nhead_dim = 256\ndtype = "bfloat16"\n[triton]\nsm90_backward = 1\nsm90_dkdv_block_n = 128\n'
     with pytest.raises(SpecError, match="the Hopper dK/dV kernel's tiles need more than sm90's 227 KiB"):
         parse_spec(text, "s.toml")
 
@@ -131,8 +139,8 @@ def _source(spec) -> str:
         ("sm90_block_m = 64", "sm90_block_m must be 128"),
         ("sm90_num_warps = 8", "sm90_num_warps must be 4"),
         ("sm90_forward = 2", "sm90_forward must be 0 or 1"),
-        ("sm90_dkdv_block_n = 64", "sm90_dkdv_block_n must be 128"),
-        ("sm90_dq_block_m = 64", "sm90_dq_block_m must be 128"),
+        ("sm90_dkdv_block_n = 32", "sm90_dkdv_block_n must be 64 or 128"),
+        ("sm90_dq_block_m = 32", "sm90_dq_block_m must be 64 or 128"),
         (
             "sm90_dq = 1\nsm90_dq_block_n = 128\nsm90_dq_num_stages = 3",
             "the Hopper dQ kernel's tiles need more than sm90's 227 KiB",

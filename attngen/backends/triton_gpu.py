@@ -93,18 +93,23 @@ class TritonConfig:
     sm90_fp8_block_n: int = 128
     sm90_fp8_num_warps: int = 4
     sm90_fp8_num_stages: int = 2
-    # The Hopper dK/dV kernel: sm90_dkdv_block_n keys per program in two consumer warpgroups of
-    # half as many, sm90_dkdv_block_m queries per step through a ring of sm90_dkdv_num_stages Q/dO
-    # buffers. sm90_backward = 0 turns it off (make_config sets its default like sm90_forward's).
+    # The Hopper dK/dV kernel: sm90_dkdv_block_n keys per program, sm90_dkdv_block_m queries per step
+    # through a ring of sm90_dkdv_num_stages Q/dO buffers. Of 128 keys each of the two consumer
+    # warpgroups holds 64, with their dK and dV rows; of 64 keys (heads wider than 128, make_config)
+    # both hold all and each half of dK's and dV's columns, as 64 float32 rows of such a head's dK and
+    # dV pass a warpgroup's registers. sm90_backward = 0 turns it off (make_config sets its default
+    # like sm90_forward's).
     sm90_backward: int = 1
     sm90_dkdv_block_m: int = 64
     sm90_dkdv_block_n: int = 128
     sm90_dkdv_num_warps: int = 4
     sm90_dkdv_num_stages: int = 2
-    # The Hopper dQ kernel: sm90_dq_block_m queries per program in two consumer warpgroups of half
-    # as many, sm90_dq_block_n keys per step through a ring of sm90_dq_num_stages K/V buffers.
-    # sm90_dq = 0 turns it off (make_config sets its default like sm90_backward's). A call whose
-    # trained params want gradients runs the dQ kernel above, which gathers them.
+    # The Hopper dQ kernel: sm90_dq_block_m queries per program, sm90_dq_block_n keys per step
+    # through a ring of sm90_dq_num_stages K/V buffers. Of 128 queries each of the two consumer
+    # warpgroups holds 64; of 64 (heads of 256, where Q, dO and O of 128 queries beside the ring pass
+    # sm90's shared memory: make_config) both hold all and each half of dQ's columns. sm90_dq = 0
+    # turns it off (make_config sets its default like sm90_backward's). A call whose trained params
+    # want gradients runs the dQ kernel above, which gathers them.
     sm90_dq: int = 1
     sm90_dq_block_m: int = 128
     sm90_dq_block_n: int = 64
@@ -293,14 +298,14 @@ KERNELS = (
         "training",
         "_attention_bwd_dkdv_sm90",
         "bwd_dkdv_sm90.py.jinja",
-        about="Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program in two consumer warpgroups, SM90_DKDV_BLOCK_M queries per step.",
+        about="Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program (128: half per consumer warpgroup; 64: all for both, which split the columns), SM90_DKDV_BLOCK_M queries per step.",
         walks=BY_KEY_BLOCK,
         step="BLOCK_M",
         tiles="sm90_dkdv_",
         arguments=(
             ("q_desc", Arg("nvmma_desc", "BLOCK_M")),
-            ("k_desc", Arg("nvmma_desc", "HALF_BLOCK_N")),
-            ("v_desc", Arg("nvmma_desc", "HALF_BLOCK_N", "dv")),
+            ("k_desc", Arg("nvmma_desc", "WGMMA_ROWS")),
+            ("v_desc", Arg("nvmma_desc", "WGMMA_ROWS", "dv")),
             ("do_desc", Arg("nvmma_desc", "BLOCK_M", "dv")),
             ("LSE", F32_POINTER),
             ("DELTA", F32_POINTER),
@@ -321,20 +326,21 @@ KERNELS = (
         "training",
         "_attention_bwd_dq_sm90",
         "bwd_dq_sm90.py.jinja",
-        about="Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program in two consumer warpgroups, SM90_DQ_BLOCK_N keys per step.",
+        about="Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program (128: half per consumer warpgroup; 64: all for both, which split the columns), SM90_DQ_BLOCK_N keys per step.",
         walks=BY_QUERY_BLOCK,
         step="BLOCK_N",
         tiles="sm90_dq_",
         arguments=(
-            ("q_desc", Arg("nvmma_desc", "HALF_BLOCK_M")),
+            ("q_desc", Arg("nvmma_desc", "WGMMA_ROWS")),
             ("k_desc", Arg("nvmma_desc", "BLOCK_N")),
             ("v_desc", Arg("nvmma_desc", "BLOCK_N", "dv")),
-            ("o_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
-            ("do_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
+            ("o_desc", Arg("nvmma_desc", "WGMMA_ROWS", "dv")),
+            ("do_desc", Arg("nvmma_desc", "WGMMA_ROWS", "dv")),
             ("LSE", F32_POINTER),
             ("DLSE", F32_POINTER),  # None where the caller left lse unused: no load, a kernel of its own
             ("DELTA", F32_POINTER),
-            ("dq_desc", Arg("nvmma_desc", "HALF_BLOCK_M")),
+            ("dq_desc", Arg("nvmma_desc", "WGMMA_ROWS")),  # dQ's tiles of 128-query blocks
+            ("DQ", INPUT_POINTER),  # dQ's columns of 64-query blocks
             ("TILE_COUNTER", I32_POINTER),  # the tiles taken, for the dynamic persistent walk
             *PROBLEM_ARGS,
             ("batch_heads", I32),  # batch * num_heads: the grid's tiles are query blocks x this
@@ -371,13 +377,15 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         ("sm90_num_warps", 4, "each consumer is one warpgroup"),
         ("sm90_fp8_block_m", 128, "two consumer warpgroups of 64 rows, wgmma's tile height"),
         ("sm90_fp8_num_warps", 4, "each consumer is one warpgroup"),
-        ("sm90_dkdv_block_n", 128, "two consumer warpgroups of 64 keys, wgmma's tile height"),
         ("sm90_dkdv_num_warps", 4, "each consumer is one warpgroup"),
-        ("sm90_dq_block_m", 128, "two consumer warpgroups of 64 rows, wgmma's tile height"),
         ("sm90_dq_num_warps", 4, "each consumer is one warpgroup"),
     ):
         if key in table and table[key] != value:
             report(f"triton {key} must be {value} ({why}), got {table[key]}", key)
+    for key, rows in (("sm90_dkdv_block_n", "keys"), ("sm90_dq_block_m", "queries")):
+        if table.get(key, 64) not in (64, 128):
+            why = f"64 {rows} per consumer warpgroup, or 64 for both, wgmma's tile height"
+            report(f"triton {key} must be 64 or 128 ({why}), got {table[key]}", key)
     for key in ("sm90_forward", "sm90_backward", "sm90_dq", "sm90_fp8"):
         if key in table and table[key] not in (0, 1):
             report(f"triton {key} must be 0 or 1, got {table[key]}", key)
@@ -397,6 +405,7 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     # the Triton forward.
     hopper = shape.dtype != "float32" and shape.widest >= 64
     config.setdefault("sm90_forward", int(hopper))
+    config.setdefault("sm90_dkdv_block_n", 128 if shape.widest <= 128 else 64)
     config.setdefault("sm90_backward", int(hopper and _sm90_dkdv_fits(config, shape)))
     if table.get("sm90_backward") and not _sm90_dkdv_fits(config, shape):
         report(
@@ -408,6 +417,7 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         return None
     if hopper and shape.widest == 64:
         config.setdefault("sm90_forward_min_keys", 896)
+    config.setdefault("sm90_dq_block_m", 128 if _sm90_dq_fits({**config, "sm90_dq_block_m": 128}, shape) else 64)
     config.setdefault("sm90_dq", int(config["sm90_backward"] and _sm90_dq_fits(config, shape)))
     if table.get("sm90_dq") and not _sm90_dq_fits(config, shape):
         report(
@@ -441,7 +451,7 @@ SM90_SHARED_BYTES = 227 * 1024
 
 def _sm90_dq_fits(config: dict[str, int], shape: ProblemShape) -> bool:
     """Whether the Hopper dQ kernel's tiles fit sm90's shared memory: Q, dO and O of its queries,
-    and its ring of K/V tiles, all of 16-bit elements (heads of 256 do not fit)."""
+    and its ring of K/V tiles, all of 16-bit elements (heads of 256 fit at 64 x 64 tiles, not 128 x 64)."""
     keys = ("sm90_dq_block_m", "sm90_dq_block_n", "sm90_dq_num_stages")
     rows, step, stages = (config.get(key, getattr(TritonConfig, key)) for key in keys)
     d, dv = power_of_two_at_least(shape.head_dim), power_of_two_at_least(shape.head_dim_v)
@@ -450,7 +460,7 @@ def _sm90_dq_fits(config: dict[str, int], shape: ProblemShape) -> bool:
 
 def _sm90_dkdv_fits(config: dict[str, int], shape: ProblemShape) -> bool:
     """Whether the Hopper dK/dV kernel's tiles fit sm90's shared memory: K and V of its keys, and its
-    ring of Q/dO tiles with their rows of LSE and delta (heads of 256 do not fit at 128 x 64 tiles)."""
+    ring of Q/dO tiles with their rows of LSE and delta (heads of 256 fit at 64 x 64 tiles, not 128 x 64)."""
     keys = ("sm90_dkdv_block_m", "sm90_dkdv_block_n", "sm90_dkdv_num_stages")
     step, rows, stages = (config.get(key, getattr(TritonConfig, key)) for key in keys)
     d, dv = power_of_two_at_least(shape.head_dim), power_of_two_at_least(shape.head_dim_v)

@@ -113,9 +113,10 @@ def _signature(module, kernel: Kernel, dtype: str, tma: bool = True):
         "TMA": int(tma),
         "BLOCK_M": tiles["block_m"],
         "BLOCK_N": tiles["block_n"],
-        # The Gluon kernels' tiles per consumer warpgroup: half a block of queries (forward) or keys (dK/dV).
+        # The Gluon kernels' tiles per consumer warpgroup: half a block of queries (forward, dQ), or
+        # the dK/dV kernel's K/V tiles of 64 keys (wgmma's rows for a warpgroup).
         "HALF_BLOCK_M": tiles["block_m"] // 2,
-        "HALF_BLOCK_N": tiles["block_n"] // 2,
+        "WGMMA_ROWS": 64,
         "STAGES": tiles["num_stages"],
         "BLOCK_D": module.BLOCK_D,
         "BLOCK_DV": module.BLOCK_DV,

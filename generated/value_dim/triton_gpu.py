@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 192
 tiles: 128 queries x 64 keys; closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.value_dim_d0996063994f_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.value_dim_30dd35e2a6de_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -117,13 +117,13 @@ SM90_FP8_BLOCK_M = 128
 SM90_FP8_BLOCK_N = 64
 SM90_FP8_NUM_WARPS = 4
 SM90_FP8_NUM_STAGES = 2
-# Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program in two consumer warpgroups, SM90_DKDV_BLOCK_M queries per step.
+# Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program (128: half per consumer warpgroup; 64: all for both, which split the columns), SM90_DKDV_BLOCK_M queries per step.
 SM90_BACKWARD = 1
 SM90_DKDV_BLOCK_M = 64
-SM90_DKDV_BLOCK_N = 128
+SM90_DKDV_BLOCK_N = 64
 SM90_DKDV_NUM_WARPS = 4
 SM90_DKDV_NUM_STAGES = 2
-# Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program in two consumer warpgroups, SM90_DQ_BLOCK_N keys per step.
+# Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program (128: half per consumer warpgroup; 64: all for both, which split the columns), SM90_DQ_BLOCK_N keys per step.
 SM90_DQ = 1
 SM90_DQ_BLOCK_M = 128
 SM90_DQ_BLOCK_N = 64
@@ -309,6 +309,24 @@ def _sm90_take_tile(tile_smem, tile_ready, tile_empty, taken):
     t = gl.max(tile_smem.index(slot).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
     mbarrier.arrive(tile_empty.index(slot), count=1)  # released by both consumers
     return t
+
+
+@gluon.jit
+def _sm90_store_rows(ptr, tile, first, length, column: gl.constexpr, width: gl.constexpr):
+    """tile -> rows [first, first + rows) and columns from `column` of a [length, width] row-major
+    array, within its bounds."""
+    rows = first + gl.arange(0, tile.shape[0], gl.SliceLayout(1, tile.type.layout))
+    cols = column + gl.arange(0, tile.shape[1], gl.SliceLayout(0, tile.type.layout))
+    at = gl.expand_dims(rows.to(gl.int64), 1) * width + gl.expand_dims(cols, 0)
+    inside = gl.expand_dims(rows < length, 1) & gl.expand_dims(cols < width, 0)
+    gl.store(ptr + at, tile.to(ptr.dtype.element_ty), mask=inside)
+
+
+@gluon.constexpr_function
+def _sm90_acc_layout(columns, fp8):
+    """wgmma's accumulator layout for one warpgroup's 64 rows; its instruction reduces over 16 16-bit
+    or 32 8-bit elements."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 32 if fp8 else 16])
 
 
 @triton.jit
@@ -1135,13 +1153,6 @@ def _sm90_softmax_step(qk, m_i, l_i, q_idx, kv_idx, b, h, q_len, kv_len, scale, 
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
-@gluon.constexpr_function
-def _sm90_acc_layout(columns, fp8):
-    """wgmma's accumulator layout for one warpgroup's 64 rows; its instruction reduces over 16 16-bit
-    or 32 8-bit elements."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 32 if fp8 else 16])
-
-
 @gluon.jit
 def _sm90_v_operand(v_smem, slot, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, FP8: gl.constexpr):
     """The V tile of a ring slot as P V's [BLOCK_N, BLOCK_DV] operand (a transposed view of V^T in FP8)."""
@@ -1412,6 +1423,8 @@ def _attention_fwd_sm90(
 
 # ---------------------------------------------------------------------------- Hopper (sm90) dK/dV
 # One program holds a block of keys (half of it per consumer warpgroup, with its dK and dV in
+# registers; for heads wider than 128 a block of 64 keys, both consumers hold all of them and half
+# of dK's and dV's columns each: 64 float32 rows of the whole head would not fit a warpgroup's
 # registers) and walks the q blocks that see it; a loader warp streams each q block's Q and dO
 # through a ring of shared-memory buffers with TMA, and its LSE and delta beside them. The five
 # products of the dK/dV step run as asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T together,
@@ -1459,16 +1472,18 @@ def _sm90_dkdv_load_tile(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_
                          delta_smem, kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
                          q_len, kv_len, GROUP: gl.constexpr, SPLITS: gl.constexpr,
                          STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile t's loads, the program's `done`-th: each consumer's half of K and V once both are done
-    with the last tile's, then Q, dO, LSE and delta of every q block in order (`it` counts ring slots used)."""
-    ROWS: gl.constexpr = BLOCK_N // 2
+    """Tile t's loads, the program's `done`-th: its K and V (a tile of 64 keys per consumer, or one
+    for both) once both are done with the last tile's, then Q, dO, LSE and delta of every q block in
+    order (`it` counts ring slots used)."""
+    KV_TILES: gl.constexpr = k_smem.shape[0]
+    ROWS: gl.constexpr = BLOCK_N // KV_TILES
     b, h_kv, part, kv_block = _sm90_key_tile(t, units, section_units, num_heads, kv_len, GROUP, SPLITS, BLOCK_N)
     kv_first = kv_block * BLOCK_N
     mbarrier.wait(kv_empty, done & 1 ^ 1)  # a fresh barrier counts as released
-    mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [b, h_kv, kv_first + half * ROWS, 0], kv_ready, k_smem.index(half))
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, kv_first + half * ROWS, 0], kv_ready, v_smem.index(half))
+    mbarrier.expect(kv_ready, KV_TILES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for tile in gl.static_range(KV_TILES):
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, kv_first + tile * ROWS, 0], kv_ready, k_smem.index(tile))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, kv_first + tile * ROWS, 0], kv_ready, v_smem.index(tile))
     for g in range(GROUP // SPLITS):
         h = part * (GROUP // SPLITS) + g
         q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, BLOCK_M, BLOCK_N)
@@ -1528,12 +1543,16 @@ def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_sme
 @gluon.jit
 def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
                            b, h, block_lo, block_hi, kv_idx, q_len, kv_len, scale,
-                           MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE)."""
+                           MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE):
+    the columns [HALF * width, (HALF + 1) * width) of dK and dV where they are narrower than the head
+    (COLUMNS), else all of them."""
     ROWS: gl.constexpr = k_tile.shape[0]
     BLOCK_D: gl.constexpr = k_tile.shape[1]
     BLOCK_DV: gl.constexpr = v_tile.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    DK_COLUMNS: gl.constexpr = dk.shape[1]
+    DV_COLUMNS: gl.constexpr = dv.shape[1]
+    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_M, False)
     cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     dv_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=2)
     dk_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
@@ -1562,9 +1581,11 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem
         # dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register operands.
         p_op = gl.convert_layout(p.to(do_tile.dtype), dv_operand)
         ds_op = gl.convert_layout(ds.to(q_tile.dtype), dk_operand)
-        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, do_tile, q_tile))[:2]
+        do_columns = do_tile.slice(HALF * DV_COLUMNS, DV_COLUMNS, dim=1) if DV_COLUMNS < BLOCK_DV else do_tile
+        q_columns = q_tile.slice(HALF * DK_COLUMNS, DK_COLUMNS, dim=1) if DK_COLUMNS < BLOCK_D else q_tile
+        dv = warpgroup_mma(p_op, do_columns, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_columns, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, do_columns, q_columns))[:2]
         mbarrier.arrive(empty.index(slot), count=1)
         it += 1
     return dk, dv, it
@@ -1576,22 +1597,27 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
                             scale, HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr,
                             STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
-    """Keys [HALF * ROWS, (HALF + 1) * ROWS) of tile t's kv block, the program's `done`-th, over every q
-    block that sees them; returns `it`."""
-    ROWS: gl.constexpr = BLOCK_N // 2
+    """This consumer's share of tile t's kv block, the program's `done`-th, over every q block that sees
+    it: keys [HALF * ROWS, (HALF + 1) * ROWS), or (COLUMNS: one K/V tile for both consumers) every key
+    and half of dK's and dV's columns; returns `it`."""
+    COLUMNS: gl.constexpr = k_smem.shape[0] == 1
+    ROWS: gl.constexpr = BLOCK_N // k_smem.shape[0]
     BLOCK_D: gl.constexpr = k_smem.shape[4]
     BLOCK_DV: gl.constexpr = v_smem.shape[4]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
-    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_DV, 16])
+    DK_COLUMNS: gl.constexpr = BLOCK_D // 2 if COLUMNS else BLOCK_D
+    DV_COLUMNS: gl.constexpr = BLOCK_DV // 2 if COLUMNS else BLOCK_DV
+    TILE: gl.constexpr = 0 if COLUMNS else HALF
+    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_M, False)
+    dk_layout: gl.constexpr = _sm90_acc_layout(DK_COLUMNS, False)
+    dv_layout: gl.constexpr = _sm90_acc_layout(DV_COLUMNS, False)
     b, _, part, kv_block = _sm90_key_tile(t, units, section_units, num_heads, kv_len, GROUP, SPLITS, BLOCK_N)
     kv_first = kv_block * BLOCK_N
 
-    kv_idx = gl.expand_dims(kv_first + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)), 1)
-    k_tile = k_smem.index(HALF).reshape([ROWS, BLOCK_D])
-    v_tile = v_smem.index(HALF).reshape([ROWS, BLOCK_DV])
-    dk = gl.zeros([ROWS, BLOCK_D], gl.float32, dk_layout)
-    dv = gl.zeros([ROWS, BLOCK_DV], gl.float32, dv_layout)
+    kv_idx = gl.expand_dims(kv_first + TILE * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)), 1)
+    k_tile = k_smem.index(TILE).reshape([ROWS, BLOCK_D])
+    v_tile = v_smem.index(TILE).reshape([ROWS, BLOCK_DV])
+    dk = gl.zeros([ROWS, DK_COLUMNS], gl.float32, dk_layout)
+    dv = gl.zeros([ROWS, DV_COLUMNS], gl.float32, dv_layout)
     mbarrier.wait(kv_ready, done & 1)
     for g in range(GROUP // SPLITS):
         h = part * (GROUP // SPLITS) + g
@@ -1599,15 +1625,15 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
         q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, BLOCK_M, BLOCK_N)
         dk, dv, it = _sm90_dkdv_consume_run(
             dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
-            b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, True, STAGES, BLOCK_M,
+            b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, True, STAGES, BLOCK_M, HALF,
         )
         dk, dv, it = _sm90_dkdv_consume_run(
             dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
-            b, h, q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, False, STAGES, BLOCK_M,
+            b, h, q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, False, STAGES, BLOCK_M, HALF,
         )
         dk, dv, it = _sm90_dkdv_consume_run(
             dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
-            b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, True, STAGES, BLOCK_M,
+            b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, True, STAGES, BLOCK_M, HALF,
         )
     # Every product that read K and V has been waited for: the loader may fetch the next tile's.
     mbarrier.arrive(kv_empty, count=1)
@@ -1616,8 +1642,11 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
     # kv_len and columns past the head dim are dropped. The tile's unit has [kv_len, head_dim] rows
     # of DK and DV (contiguous, allocated by _backward).
     unit_rows = (b * (num_heads // GROUP) * SPLITS + part).to(gl.int64) * kv_len
-    _sm90_store_rows(DK + unit_rows * HEAD_DIM, dk * scale, kv_first + HALF * ROWS, kv_len, HEAD_DIM)
-    _sm90_store_rows(DV + unit_rows * HEAD_DIM_V, dv, kv_first + HALF * ROWS, kv_len, HEAD_DIM_V)
+    first = kv_first + TILE * ROWS
+    DK_FIRST: gl.constexpr = HALF * DK_COLUMNS if COLUMNS else 0
+    DV_FIRST: gl.constexpr = HALF * DV_COLUMNS if COLUMNS else 0
+    _sm90_store_rows(DK + unit_rows * HEAD_DIM, dk * scale, first, kv_len, DK_FIRST, HEAD_DIM)
+    _sm90_store_rows(DV + unit_rows * HEAD_DIM_V, dv, first, kv_len, DV_FIRST, HEAD_DIM_V)
     return it
 
 
@@ -1627,7 +1656,7 @@ def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta
                         scale, HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr,
                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         HEAD_DIM_V: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
-    """A consumer warpgroup: its half of the keys of each of this program's tiles."""
+    """A consumer warpgroup: its half of the keys (or of the columns) of each of this program's tiles."""
     gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
     if PERSISTENT and DYNAMIC:
         it = 0
@@ -1659,16 +1688,6 @@ def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta
                                      BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
 
 
-@gluon.jit
-def _sm90_store_rows(ptr, tile, first, length, width: gl.constexpr):
-    """tile -> rows [first, first + rows) of a [length, width] row-major array, within its bounds."""
-    rows = first + gl.arange(0, tile.shape[0], gl.SliceLayout(1, tile.type.layout))
-    cols = gl.arange(0, tile.shape[1], gl.SliceLayout(0, tile.type.layout))
-    at = gl.expand_dims(rows.to(gl.int64), 1) * width + gl.expand_dims(cols, 0)
-    inside = gl.expand_dims(rows < length, 1) & gl.expand_dims(cols < width, 0)
-    gl.store(ptr + at, tile.to(ptr.dtype.element_ty), mask=inside)
-
-
 @gluon.jit(do_not_specialize=["q_len", "kv_len"])
 def _attention_bwd_dkdv_sm90(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, TILE_COUNTER,
@@ -1678,10 +1697,13 @@ def _attention_bwd_dkdv_sm90(
     PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """dK and dV of kv blocks over the query heads of their group, or one of SPLITS parts of them
-    (then DK and DV are float32 partial sums, one row of heads per part), as _attention_bwd_dkdv."""
-    ROWS: gl.constexpr = BLOCK_N // 2
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], v_desc.layout)
+    (then DK and DV are float32 partial sums, one row of heads per part), as _attention_bwd_dkdv.
+    A block of 128 keys is a K/V tile of 64 (wgmma's rows) per consumer; one of 64 is one tile for
+    both, which split dK's and dV's columns instead."""
+    ROWS: gl.constexpr = 64
+    KV_TILES: gl.constexpr = BLOCK_N // ROWS
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KV_TILES, 1, 1, ROWS, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [KV_TILES, 1, 1, ROWS, BLOCK_DV], v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_DV], do_desc.layout)
     rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -1729,7 +1751,9 @@ def _attention_bwd_dkdv_sm90(
 
 # ---------------------------------------------------------------------------- Hopper (sm90) dQ
 # One program holds a block of queries (half of it per consumer warpgroup, with its dQ in
-# registers) and walks the kv blocks it sees; a loader warp brings the block's Q, dO and O once and
+# registers; for heads of 256 a block of 64 queries, both consumers hold all of them and half of dQ's
+# columns each, as Q, dO and O of 128 queries beside the K/V ring pass sm90's shared memory) and
+# walks the kv blocks it sees; a loader warp brings the block's Q, dO and O once and
 # streams each kv block's K and V through a ring of shared-memory buffers with TMA. The three
 # products of the dQ step run as asynchronous wgmma: S = Q K^T and dP = dO V^T together, then
 # dQ += dS K with dS straight from registers. Each consumer also works out its rows' delta for the
@@ -1771,18 +1795,20 @@ def _sm90_dq_load_tile(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, 
                        q_empty, ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len,
                        kv_len, GROUP: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr):
-    """Tile t's loads, the program's `done`-th: each consumer's half of Q, dO and O once both
-    consumers' dQ of the last tile has left Q's buffer, then K and V of every kv block in order (`it`
-    counts ring slots used)."""
-    ROWS: gl.constexpr = BLOCK_M // 2
+    """Tile t's loads, the program's `done`-th: its Q, dO and O (a tile of 64 queries per consumer, or
+    one for both) once both consumers are done with the last tile's, then K and V of every kv block
+    in order (`it` counts ring slots used)."""
+    Q_TILES: gl.constexpr = q_smem.shape[0]
+    ROWS: gl.constexpr = BLOCK_M // Q_TILES
     b, h, bh, q_block = _sm90_query_tile(t, batch_heads, section_heads, num_heads, q_len, BLOCK_M)
     q_first = q_block * BLOCK_M
     mbarrier.wait(q_empty, done & 1 ^ 1)  # a fresh barrier counts as released
-    mbarrier.expect(q_ready, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes))
-    for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [b, h, q_first + half * ROWS, 0], q_ready, q_smem.index(half))
-        tma.async_copy_global_to_shared(do_desc, [b, h, q_first + half * ROWS, 0], q_ready, do_smem.index(half))
-        tma.async_copy_global_to_shared(o_desc, [b, h, q_first + half * ROWS, 0], q_ready, o_smem.index(half))
+    TILE_BYTES: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes
+    mbarrier.expect(q_ready, Q_TILES * TILE_BYTES)
+    for tile in gl.static_range(Q_TILES):
+        tma.async_copy_global_to_shared(q_desc, [b, h, q_first + tile * ROWS, 0], q_ready, q_smem.index(tile))
+        tma.async_copy_global_to_shared(do_desc, [b, h, q_first + tile * ROWS, 0], q_ready, do_smem.index(tile))
+        tma.async_copy_global_to_shared(o_desc, [b, h, q_first + tile * ROWS, 0], q_ready, o_smem.index(tile))
     kv_lo, kv_hi, full_lo, full_hi = _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, BLOCK_M, BLOCK_N)
     it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, kv_lo, full_lo, it, STAGES, BLOCK_N)
     it = _sm90_dq_load_run(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, full_lo, full_hi, it, STAGES, BLOCK_N)
@@ -1832,12 +1858,14 @@ def _sm90_dq_loader(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_
 @gluon.jit
 def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
                          block_lo, block_hi, q_idx, b, h, q_len, kv_len, scale,
-                         MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One consumer warpgroup's dQ contributions from one run of kv blocks (P from the LSE)."""
+                         MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup's dQ contributions from one run of kv blocks (P from the LSE): the
+    columns [HALF * width, (HALF + 1) * width) of dQ where it is narrower than the head, else all."""
     ROWS: gl.constexpr = q_tile.shape[0]
     BLOCK_D: gl.constexpr = q_tile.shape[1]
     BLOCK_DV: gl.constexpr = do_tile.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    DQ_COLUMNS: gl.constexpr = dq.shape[1]
+    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_N, False)
     cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -1858,25 +1886,30 @@ def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, re
         ds = p * (dp - delta)
         # dQ += dS K, with dS as the register operand.
         ds_op = gl.convert_layout(ds.to(k_tile.dtype), ds_operand)
-        dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq, ds_op, k_tile))[0]
+        k_columns = k_tile.slice(HALF * DQ_COLUMNS, DQ_COLUMNS, dim=1) if DQ_COLUMNS < BLOCK_D else k_tile
+        dq = warpgroup_mma(ds_op, k_columns, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ds_op, k_columns))[0]
         mbarrier.arrive(empty.index(slot), count=1)
         it += 1
     return dq, it
 
 
 @gluon.jit
-def _sm90_dq_consume_tile(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
-                          empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
+def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                          ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
                           scale, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr):
-    """Queries [HALF * ROWS, (HALF + 1) * ROWS) of tile t's block, the program's `done`-th, over every
-    kv block they see; returns `it`."""
-    ROWS: gl.constexpr = BLOCK_M // 2
+                          BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """This consumer's share of tile t's block of queries, the program's `done`-th, over every kv
+    block they see: queries [HALF * ROWS, (HALF + 1) * ROWS), or (COLUMNS: one Q tile for both
+    consumers) every query and half of dQ's columns; returns `it`."""
+    COLUMNS: gl.constexpr = q_smem.shape[0] == 1
+    ROWS: gl.constexpr = BLOCK_M // q_smem.shape[0]
     BLOCK_D: gl.constexpr = q_smem.shape[4]
     BLOCK_DV: gl.constexpr = do_smem.shape[4]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_D, 16])
+    DQ_COLUMNS: gl.constexpr = BLOCK_D // 2 if COLUMNS else BLOCK_D
+    TILE: gl.constexpr = 0 if COLUMNS else HALF
+    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_N, False)
+    dq_layout: gl.constexpr = _sm90_acc_layout(DQ_COLUMNS, False)
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     # O and dO as 8 consecutive columns a thread, for delta's row sums.
     row_major: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -1885,97 +1918,107 @@ def _sm90_dq_consume_tile(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
     q_first = q_block * BLOCK_M
     # The bounds of the whole q block, as the loader walks them (this half's queries are masked).
     kv_lo, kv_hi, full_lo, full_hi = _sm90_dq_runs(b, h, q_block, q_first, q_len, kv_len, BLOCK_M, BLOCK_N)
-    q_first = q_first + HALF * ROWS
+    q_first = q_first + TILE * ROWS
     offs_m = q_first + gl.arange(0, ROWS, rows)
     q_idx = gl.expand_dims(offs_m, 1)
     at = bh.to(gl.int64) * q_len + offs_m  # this head's entries of LSE, dLSE and delta
     lse = gl.load(LSE + at, mask=offs_m < q_len, other=0.0)
-    q_tile = q_smem.index(HALF).reshape([ROWS, BLOCK_D])
-    do_tile = do_smem.index(HALF).reshape([ROWS, BLOCK_DV])
+    q_tile = q_smem.index(TILE).reshape([ROWS, BLOCK_D])
+    do_tile = do_smem.index(TILE).reshape([ROWS, BLOCK_DV])
     mbarrier.wait(q_ready, done & 1)
-    # delta = rowsum(dO * O) - dLSE (see _attention_bwd_dq), stored for the dK/dV kernel.
-    o = o_smem.index(HALF).reshape([ROWS, BLOCK_DV]).load(row_major).to(gl.float32)
+    # delta = rowsum(dO * O) - dLSE (see _attention_bwd_dq), stored for the dK/dV kernel (by one
+    # consumer where both hold the rows).
+    o = o_smem.index(TILE).reshape([ROWS, BLOCK_DV]).load(row_major).to(gl.float32)
     do = do_tile.load(row_major).to(gl.float32)
     delta = gl.convert_layout(gl.sum(o * do, 1), rows)
     if DLSE is not None:
         delta -= gl.load(DLSE + at, mask=offs_m < q_len, other=0.0)
-    gl.store(DELTA + at, delta, mask=offs_m < q_len)
+    if HALF == 0 or not COLUMNS:
+        gl.store(DELTA + at, delta, mask=offs_m < q_len)
 
-    dq = gl.zeros([ROWS, BLOCK_D], gl.float32, dq_layout)
+    dq = gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout)
     lse = gl.expand_dims(lse, 1)
     delta = gl.expand_dims(delta, 1)
     dq, it = _sm90_dq_consume_run(
         dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
-        kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, True, STAGES, BLOCK_N,
+        kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, True, STAGES, BLOCK_N, HALF,
     )
     dq, it = _sm90_dq_consume_run(
         dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
-        full_lo, full_hi, q_idx, b, h, q_len, kv_len, scale, False, STAGES, BLOCK_N,
+        full_lo, full_hi, q_idx, b, h, q_len, kv_len, scale, False, STAGES, BLOCK_N, HALF,
     )
     dq, it = _sm90_dq_consume_run(
         dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
-        full_hi, kv_hi, q_idx, b, h, q_len, kv_len, scale, True, STAGES, BLOCK_N,
+        full_hi, kv_hi, q_idx, b, h, q_len, kv_len, scale, True, STAGES, BLOCK_N, HALF,
     )
-    # Out through Q's buffer, which no product reads any more (each was waited for); TMA drops the
-    # rows past q_len.
-    dq_tile = q_smem.index(HALF)
-    dq_tile.reshape([ROWS, BLOCK_D]).store((dq * scale).to(dq_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [b, h, q_first, 0], dq_tile)
-    tma.store_wait(0)
-    mbarrier.arrive(q_empty, count=1)  # the loader may refill Q, dO and O
+    if COLUMNS:  # the other consumer may still read Q: dQ's columns go out from registers
+        mbarrier.arrive(q_empty, count=1)  # the loader may refill Q, dO and O
+        _sm90_store_rows(DQ + bh.to(gl.int64) * q_len * HEAD_DIM, dq * scale, q_first, q_len, HALF * DQ_COLUMNS,
+                         HEAD_DIM)
+    else:
+        # Out through Q's buffer, which no product reads any more (each was waited for); TMA drops
+        # the rows past q_len.
+        dq_tile = q_smem.index(HALF)
+        dq_tile.reshape([ROWS, BLOCK_D]).store((dq * scale).to(dq_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [b, h, q_first, 0], dq_tile)
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty, count=1)  # the loader may refill Q, dO and O
     return it
 
 
 @gluon.jit
-def _sm90_dq_consumer(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
+def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
                       empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                       scale, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
-    """A consumer warpgroup: its half of the queries of each of this program's tiles."""
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """A consumer warpgroup: its half of the queries (or of dQ's columns) of each of this program's tiles."""
     gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
     if PERSISTENT and DYNAMIC:
         it = 0
         done = 0
         t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
         while t >= 0:
-            it = _sm90_dq_consume_tile(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready,
-                                       q_empty, ready, empty, t, done, it, batch_heads, section_heads, num_heads,
-                                       q_len, kv_len, scale, HALF, STAGES, BLOCK_M,
-                                       BLOCK_N)
+            it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
+                                       q_ready, q_empty, ready, empty, t, done, it, batch_heads, section_heads,
+                                       num_heads, q_len, kv_len, scale, HALF, STAGES, BLOCK_M,
+                                       BLOCK_N, HEAD_DIM)
             done += 1
             t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
     elif PERSISTENT:
         it = 0
         done = 0
         for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
-            it = _sm90_dq_consume_tile(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready,
-                                       q_empty, ready, empty, t, done, it, batch_heads, section_heads, num_heads,
-                                       q_len, kv_len, scale, HALF, STAGES, BLOCK_M,
-                                       BLOCK_N)
+            it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
+                                       q_ready, q_empty, ready, empty, t, done, it, batch_heads, section_heads,
+                                       num_heads, q_len, kv_len, scale, HALF, STAGES, BLOCK_M,
+                                       BLOCK_N, HEAD_DIM)
             done += 1
     else:  # a program per tile (`it` as a tensor: the loops carry it)
         t = gl.program_id(0)
         done = 0
         it = gl.to_tensor(0)
-        it = _sm90_dq_consume_tile(dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready,
-                                   q_empty, ready, empty, t, done, it, batch_heads, section_heads, num_heads,
-                                   q_len, kv_len, scale, HALF, STAGES, BLOCK_M,
-                                   BLOCK_N)
+        it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
+                                   q_ready, q_empty, ready, empty, t, done, it, batch_heads, section_heads,
+                                   num_heads, q_len, kv_len, scale, HALF, STAGES, BLOCK_M,
+                                   BLOCK_N, HEAD_DIM)
 
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len"])
 def _attention_bwd_dq_sm90(
-    q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc, TILE_COUNTER,
+    q_desc, k_desc, v_desc, o_desc, do_desc, LSE, DLSE, DELTA, dq_desc, DQ, TILE_COUNTER,
     num_heads, q_len, kv_len, scale, batch_heads, section_heads,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    """dQ of q blocks, and their rows of delta, as _attention_bwd_dq."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], q_desc.layout)
-    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], do_desc.layout)
+    """dQ of q blocks, and their rows of delta, as _attention_bwd_dq. A block of 128 queries is a Q
+    tile of 64 (wgmma's rows) per consumer; one of 64 is one tile for both, which split dQ's columns
+    instead (written to DQ from registers; else through dq_desc)."""
+    ROWS: gl.constexpr = 64
+    Q_TILES: gl.constexpr = BLOCK_M // ROWS
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_TILES, 1, 1, ROWS, BLOCK_D], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [Q_TILES, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [Q_TILES, 1, 1, ROWS, BLOCK_DV], do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1993,15 +2036,15 @@ def _attention_bwd_dq_sm90(
         [
             (
                 _sm90_dq_consumer,
-                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
-                 tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
-                 scale, 0, STAGES, BLOCK_M, BLOCK_N, PERSISTENT, DYNAMIC),
+                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
+                 empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                 scale, 0, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dq_consumer,
-                (dq_desc, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
-                 tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
-                 scale, 1, STAGES, BLOCK_M, BLOCK_N, PERSISTENT, DYNAMIC),
+                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
+                 empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                 scale, 1, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dq_loader,
@@ -2229,11 +2272,11 @@ def _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
     programs, counter = _sm90_programs(_cdiv(q_len, block_m) * batch * heads, q.device)
     kv_head_bytes = kv_len * (BLOCK_D + BLOCK_DV) * k.element_size()  # each kv head serves `group` heads
     _attention_bwd_dq_sm90[(programs,)](
-        _nvmma_descriptor(q, block_m // 2), _nvmma_descriptor(k, block_n), _nvmma_descriptor(v, block_n, BLOCK_DV),
-        _nvmma_descriptor(out, block_m // 2, BLOCK_DV), _nvmma_descriptor(dout, block_m // 2, BLOCK_DV), lse,
-        _dlse_rows(dlse), delta, _nvmma_descriptor(dq, block_m // 2), counter, heads, q_len, kv_len, scale,
-        batch * heads, _sm90_section(batch * heads, kv_head_bytes, group), *params, GROUP=group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages,
+        _nvmma_descriptor(q, 64), _nvmma_descriptor(k, block_n), _nvmma_descriptor(v, block_n, BLOCK_DV),  # 64 queries
+        _nvmma_descriptor(out, 64, BLOCK_DV), _nvmma_descriptor(dout, 64, BLOCK_DV), lse, _dlse_rows(dlse), delta,
+        _nvmma_descriptor(dq, 64), dq, counter, heads, q_len, kv_len, scale, batch * heads,
+        _sm90_section(batch * heads, kv_head_bytes, group), *params, GROUP=group, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, STAGES=stages,
         PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
     )
 
@@ -2273,7 +2316,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         programs, counter = _sm90_programs(kv_blocks * units, q.device)
         unit_bytes = group // splits * q_len * (BLOCK_D + BLOCK_DV) * q.element_size()  # its Q and dO
         _attention_bwd_dkdv_sm90[(programs,)](
-            _nvmma_descriptor(q, block_m), _nvmma_descriptor(k, block_n // 2), _nvmma_descriptor(v, block_n // 2, BLOCK_DV),
+            _nvmma_descriptor(q, block_m), _nvmma_descriptor(k, 64), _nvmma_descriptor(v, 64, BLOCK_DV),  # 64-key tiles
             _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts, counter,
             heads, q_len, kv_len, scale, units, _sm90_section(units, unit_bytes), *params, GROUP=group,
             SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM,
@@ -2337,7 +2380,7 @@ def _sm_count(device):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "value_dim_d0996063994f"
+_OP = "value_dim_30dd35e2a6de"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -2366,7 +2409,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     def _autograd_backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.attngen.value_dim_d0996063994f_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.value_dim_30dd35e2a6de_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -2418,7 +2461,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
         scale = 1.0 / math.sqrt(HEAD_DIM)
     scale, params = float(scale), [*scalars.values(), *tensors.values()]
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        out, lse = torch.ops.attngen.value_dim_d0996063994f_fwd(q, k, v, scale, *params)
+        out, lse = torch.ops.attngen.value_dim_30dd35e2a6de_fwd(q, k, v, scale, *params)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
         out, lse = _Attention.apply(q, k, v, scale, *params)  # eager: cheaper than the custom op's dispatch
     else:  # no gradient wanted (inference): the kernels without autograd's bookkeeping
