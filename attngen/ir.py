@@ -216,6 +216,17 @@ def reads_positions(e: Expr) -> bool:
     return bool(variables(e) & {"q_idx", "kv_idx"})
 
 
+def reads_pairs(e: Expr) -> bool:
+    """Whether e reads a tensor at each (query, key) pair: a load with one index that reads q_idx and
+    not kv_idx, and one that reads kv_idx and not q_idx (a full bias; a relative table reads both in
+    one index, a document id one of them)."""
+    for load in loads(e):
+        axes = [variables(i) & {"q_idx", "kv_idx"} for i in load.indices]
+        if {"q_idx"} in axes and {"kv_idx"} in axes:
+            return True
+    return False
+
+
 def divisor_params(e: Expr) -> frozenset[str]:
     """Scalar params that e divides by (the right operand of // or %): they must be positive."""
     own = frozenset()

@@ -1,8 +1,9 @@
 """The Hopper kernels (Gluon, sm90) against our Triton kernels and the peers, in one run on an H200.
 
 Rows: the grid of bench/speed.py (causal and full, bf16, D = 64 / 128, N = 1k / 4k / 16k at B·N =
-16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k. Each row times, with
-triton.testing.do_bench (median), the forward and forward + backward of: ours with the Hopper
+16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k (a full bias at 4k, its
+tensor growing as N²). Each row times, with triton.testing.do_bench (median), the forward and
+forward + backward of: ours with the Hopper
 kernels ("sm90": the Gluon forward, dQ and dK/dV kernels where they serve the call, as a spec's
 sm90_forward_min_keys sends short programs to the Triton forward), the same module with them turned
 off ("triton": SM90_FORWARD = SM90_DQ = SM90_BACKWARD = 0 around the whole timed call, the Triton

@@ -12,6 +12,7 @@ from attngen.lang.parser import MAX_DEPTH, ParseError, parse
 from attngen.lang.typecheck import MAX_MASK_COMPARISONS, MAX_MIN_MAX, Scope, typecheck
 from attngen.plan import spec_text
 from attngen.reference import evaluate
+from attngen.spec import load_spec
 from tests import harness
 from tests.strategies import FLOAT_PARAM, INT_PARAM, masks, score_exprs, spec_toml
 from tests.test_analysis import EMPTY, FULL, brute_force, classify
@@ -34,6 +35,18 @@ def test_precedence():
     lhs = e.lhs
     assert lhs.op == "+" and lhs.lhs.op == "*" and isinstance(lhs.lhs.lhs, ir.Neg)
     assert lhs.rhs.op == "%" and lhs.rhs.lhs.op == "//"
+
+
+def test_reads_pairs_tells_a_full_bias_from_tables():
+    """ir.reads_pairs: a tensor read at each (query, key) pair, not a table read by distance, a
+    per-head slope or a per-position id (the Hopper kernels' default depends on it)."""
+    scores = {name: load_spec(f"specs/{name}.toml").score for name in ("bias", "relative_bias", "alibi_slopes")}
+    assert {name: ir.reads_pairs(e) for name, e in scores.items()} == {
+        "bias": True,
+        "relative_bias": False,
+        "alibi_slopes": False,
+    }
+    assert not ir.reads_pairs(load_spec("specs/document.toml").mask)  # doc[b, q_idx] == doc[b, kv_idx]
 
 
 def test_promotion_is_explicit():

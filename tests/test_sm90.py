@@ -98,6 +98,11 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
     text = 'name = "s"\nhead_dim = 256\ndtype = "bfloat16"\n[triton]\nsm90_backward = 1\nsm90_dkdv_block_n = 128\n'
     with pytest.raises(SpecError, match="the Hopper dK/dV kernel's tiles need more than sm90's 227 KiB"):
         parse_spec(text, "s.toml")
+    # A score that reads a tensor at each (query, key) pair, a full bias, runs faster on the Triton
+    # kernels (they pipeline its tiles); a relative table, read by distance, on the Hopper ones.
+    bias, relative = (load_spec(f"specs/{name}.toml").config("triton_gpu") for name in ("bias", "relative_bias"))
+    assert (bias.sm90_forward, bias.sm90_backward, bias.sm90_dq) == (0, 0, 0)
+    assert (relative.sm90_forward, relative.sm90_backward, relative.sm90_dq) == (1, 1, 1)
 
 
 def test_calls_of_short_programs_take_the_triton_forward():

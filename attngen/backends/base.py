@@ -25,15 +25,17 @@ def power_of_two_at_least(n: int) -> int:
 
 @dataclass(frozen=True)
 class ProblemShape:
-    """What a target's config may depend on: the spec's head dims and dtype, and whether its
-    backward writes a trained tensor's gradient per (query, key) pair ([grad] of a full bias) or
-    sums it along diagonals ([grad] of a relative table)."""
+    """What a target's config may depend on: the spec's head dims and dtype, whether its backward
+    writes a trained tensor's gradient per (query, key) pair ([grad] of a full bias) or sums it
+    along diagonals ([grad] of a relative table), and whether its score reads a tensor at each pair
+    (a full bias, trained or not: ir.reads_pairs)."""
 
     head_dim: int
     head_dim_v: int
     dtype: str
     per_pair_grads: bool = False
     relative_grads: bool = False
+    pair_reads: bool = False
 
     @property
     def widest(self) -> int:

@@ -402,8 +402,11 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     # and bf16 with heads of 64 and wider. At 64 the backward runs 1.05-1.17x the Triton one from 4k
     # keys (a tie at 1k), the forward 1.03-1.10x from 4k keys and 1.06x at full 1k, but 0.71x at causal
     # 1k, whose middle row block sees 640 keys: there calls whose programs see at most 896 keys take
-    # the Triton forward.
-    hopper = shape.dtype != "float32" and shape.widest >= 64
+    # the Triton forward. Not where the score reads a tensor at each pair (a full bias): the Triton
+    # kernels pipeline its tiles like K's and V's, where the Hopper kernels' consumers wait for each
+    # tile's loads (specs/bias.toml, 4k: forward 1.10x, forward + backward 1.19x as fast with the Triton
+    # kernels, 2026-12-04).
+    hopper = shape.dtype != "float32" and shape.widest >= 64 and not shape.pair_reads
     config.setdefault("sm90_forward", int(hopper))
     config.setdefault("sm90_dkdv_block_n", 128 if shape.widest <= 128 else 64)
     config.setdefault("sm90_backward", int(hopper and _sm90_dkdv_fits(config, shape)))

@@ -107,7 +107,8 @@ def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:
     """The spec at another head_dim and dtype, each target's unset keys re-defaulted (for tools
     that sweep shapes, such as the benchmarks)."""
     grads = grads_of_positions(spec.score, spec.grad_params)
-    shape = ProblemShape(head_dim, spec.head_dim_v or head_dim, dtype, *grads)
+    pairs = spec.score is not None and ir.reads_pairs(spec.score)
+    shape = ProblemShape(head_dim, spec.head_dim_v or head_dim, dtype, *grads, pair_reads=pairs)
     configs = {t.name: t.make_config(spec.tables[t.name], shape, _refuse) for t in TARGETS}
     return replace(spec, head_dim=head_dim, dtype=dtype, configs=configs)
 

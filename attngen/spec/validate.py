@@ -277,7 +277,11 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     shape = None
     if not v.problems:
         shape = ProblemShape(
-            head_dim, top.get("head_dim_v") or head_dim, dtype, *grads_of_positions(score, tuple(grad_params))
+            head_dim,
+            top.get("head_dim_v") or head_dim,
+            dtype,
+            *grads_of_positions(score, tuple(grad_params)),
+            pair_reads=score is not None and ir.reads_pairs(score),
         )
     tables, configs = {}, {}
     for target in TARGETS:
