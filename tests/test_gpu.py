@@ -135,7 +135,8 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
 
 
 @pytest.mark.parametrize(
-    "name, head_dim", [("causal", None), ("document", None), ("value_dim", None), ("sinks", None), ("full", 256)]
+    "name, head_dim",
+    [("causal", None), ("document", None), ("value_dim", None), ("sinks", None), ("full", 256), ("document", 256)],
 )
 @pytest.mark.parametrize("dynamic", [0, 1], ids=["static", "dynamic"])
 def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim, dynamic, monkeypatch):

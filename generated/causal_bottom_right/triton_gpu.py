@@ -1541,59 +1541,84 @@ def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_sme
 
 
 @gluon.jit
-def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
-                           b, h, block_lo, block_hi, kv_idx, q_len, kv_len, scale,
+def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem,
+                           ds_ready, ready, empty, b, h, block_lo, block_hi, kv_idx, q_len, kv_len, scale,
                            MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
-    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE):
-    the columns [HALF * width, (HALF + 1) * width) of dK and dV where they are narrower than the head
-    (COLUMNS), else all of them."""
+    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE).
+    Where dK and dV are narrower than the head (COLUMNS: both consumers hold the same keys), each
+    works out S^T, dP^T, P^T and dS^T for its half of each block's queries, puts P^T and dS^T in
+    shared memory (p_smem, ds_smem: two steps' worth), and once both halves are there multiplies
+    them by its columns of dO and Q: no product is done twice."""
     ROWS: gl.constexpr = k_tile.shape[0]
     BLOCK_D: gl.constexpr = k_tile.shape[1]
     BLOCK_DV: gl.constexpr = v_tile.shape[1]
     DK_COLUMNS: gl.constexpr = dk.shape[1]
     DV_COLUMNS: gl.constexpr = dv.shape[1]
-    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_M, False)
+    COLUMNS: gl.constexpr = DV_COLUMNS < BLOCK_DV
+    QUERIES: gl.constexpr = BLOCK_M // 2 if COLUMNS else BLOCK_M  # the queries of this consumer's S^T and dP^T
+    FIRST_QUERY: gl.constexpr = HALF * QUERIES if COLUMNS else 0
+    s_layout: gl.constexpr = _sm90_acc_layout(QUERIES, False)
     cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     dv_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=2)
     dk_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
-    s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
+    s_zero = gl.zeros([ROWS, QUERIES], gl.float32, s_layout)
     for block in range(block_lo, block_hi):
         slot = it % STAGES
         q_tile = q_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, BLOCK_DV])
-        offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, cols)
-        q_idx = gl.expand_dims(offs_m, 0)
+        q_queries = q_tile.slice(FIRST_QUERY, QUERIES, dim=0) if COLUMNS else q_tile
+        do_queries = do_tile.slice(FIRST_QUERY, QUERIES, dim=0) if COLUMNS else do_tile
+        q_idx = gl.expand_dims(block * BLOCK_M + FIRST_QUERY + gl.arange(0, QUERIES, cols), 0)
         mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
         # LSE and delta from shared memory, read where they are used: loaded from global memory here,
         # they were held in registers across the products (16 of each a thread) and made the
         # consumers spill (80-384 bytes a thread; BENCHMARKS.md, 2026-12-03).
-        lse = lse_smem.index(slot).load(cols)
+        lse = lse_smem.index(slot).slice(FIRST_QUERY, QUERIES).load(cols)
         # S^T = K Q^T and dP^T = V dO^T, [keys, queries]: issued together, S^T waited first.
-        qk = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(1, deps=(qk, k_tile, q_tile))[0]
+        qk = warpgroup_mma(k_tile, q_queries.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(v_tile, do_queries.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, k_tile, q_queries))[0]
         p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale), gl.expand_dims(lse, 0))
         if MASKED:
             p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len), p, 0.0)
-        delta = delta_smem.index(slot).load(cols)
-        dp = warpgroup_mma_wait(0, deps=(dp, v_tile, do_tile))[0]
+        delta = delta_smem.index(slot).slice(FIRST_QUERY, QUERIES).load(cols)
+        dp = warpgroup_mma_wait(0, deps=(dp, v_tile, do_queries))[0]
         ds = p * (dp - gl.expand_dims(delta, 0))
-        # dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register operands.
-        p_op = gl.convert_layout(p.to(do_tile.dtype), dv_operand)
-        ds_op = gl.convert_layout(ds.to(q_tile.dtype), dk_operand)
-        do_columns = do_tile.slice(HALF * DV_COLUMNS, DV_COLUMNS, dim=1) if DV_COLUMNS < BLOCK_DV else do_tile
-        q_columns = q_tile.slice(HALF * DK_COLUMNS, DK_COLUMNS, dim=1) if DK_COLUMNS < BLOCK_D else q_tile
-        dv = warpgroup_mma(p_op, do_columns, dv, is_async=True)
-        dk = warpgroup_mma(ds_op, q_columns, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, do_columns, q_columns))[:2]
+        p_low = p.to(do_tile.dtype)
+        ds_low = ds.to(q_tile.dtype)
+        if COLUMNS:
+            # dV's and dK's columns += P^T dO's and dS^T Q's, each half of P^T and dS^T (its queries)
+            # from shared memory once both are there (a buffer is written again two steps on, when
+            # the other consumer has passed this step).
+            buffer = it % 2
+            p_smem.index(2 * buffer + HALF).store(p_low)
+            ds_smem.index(2 * buffer + HALF).store(ds_low)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buffer), count=1)
+            mbarrier.wait(ds_ready.index(buffer), (it // 2) & 1)
+            do_columns = do_tile.slice(HALF * DV_COLUMNS, DV_COLUMNS, dim=1)
+            q_columns = q_tile.slice(HALF * DK_COLUMNS, DK_COLUMNS, dim=1)
+            for queries in gl.static_range(2):
+                do_part = do_columns.slice(queries * QUERIES, QUERIES, dim=0)
+                q_part = q_columns.slice(queries * QUERIES, QUERIES, dim=0)
+                dv = warpgroup_mma(p_smem.index(2 * buffer + queries), do_part, dv, is_async=True)
+                dk = warpgroup_mma(ds_smem.index(2 * buffer + queries), q_part, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, p_smem, ds_smem, do_columns, q_columns))[:2]
+        else:
+            # dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register operands.
+            p_op = gl.convert_layout(p_low, dv_operand)
+            ds_op = gl.convert_layout(ds_low, dk_operand)
+            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op, do_tile, q_tile))[:2]
         mbarrier.arrive(empty.index(slot), count=1)
         it += 1
     return dk, dv, it
 
 
 @gluon.jit
-def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready,
-                            empty, t, done, it, units, section_units, num_heads, q_len, kv_len,
+def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+                            kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads, q_len, kv_len,
                             scale, HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr,
                             STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
@@ -1607,7 +1632,8 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
     DK_COLUMNS: gl.constexpr = BLOCK_D // 2 if COLUMNS else BLOCK_D
     DV_COLUMNS: gl.constexpr = BLOCK_DV // 2 if COLUMNS else BLOCK_DV
     TILE: gl.constexpr = 0 if COLUMNS else HALF
-    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_M, False)
+    QUERIES: gl.constexpr = BLOCK_M // 2 if COLUMNS else BLOCK_M  # the queries of this consumer's S^T
+    s_layout: gl.constexpr = _sm90_acc_layout(QUERIES, False)
     dk_layout: gl.constexpr = _sm90_acc_layout(DK_COLUMNS, False)
     dv_layout: gl.constexpr = _sm90_acc_layout(DV_COLUMNS, False)
     b, _, part, kv_block = _sm90_key_tile(t, units, section_units, num_heads, kv_len, GROUP, SPLITS, BLOCK_N)
@@ -1624,15 +1650,15 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
         # The bounds of the whole kv block, as the loader walks them (this half's keys are masked).
         q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, BLOCK_M, BLOCK_N)
         dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, ready, empty,
             b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, True, STAGES, BLOCK_M, HALF,
         )
         dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, ready, empty,
             b, h, q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, False, STAGES, BLOCK_M, HALF,
         )
         dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
+            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, ready, empty,
             b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, True, STAGES, BLOCK_M, HALF,
         )
     # Every product that read K and V has been waited for: the loader may fetch the next tile's.
@@ -1651,8 +1677,8 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
 
 
 @gluon.jit
-def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty,
-                        tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
+def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+                        kv_ready, kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
                         scale, HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr,
                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         HEAD_DIM_V: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
@@ -1663,8 +1689,8 @@ def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta
         done = 0
         t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
         while t >= 0:
-            it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
-                                         kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
+            it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem,
+                                         ds_smem, ds_ready, kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
                                          q_len, kv_len, scale, HALF, GROUP, SPLITS, STAGES,
                                          BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
             done += 1
@@ -1673,8 +1699,8 @@ def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta
         it = 0
         done = 0
         for t in range(gl.program_id(0), gl.cdiv(kv_len, BLOCK_N) * units, gl.num_programs(0)):
-            it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
-                                         kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
+            it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem,
+                                         ds_smem, ds_ready, kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
                                          q_len, kv_len, scale, HALF, GROUP, SPLITS, STAGES,
                                          BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
             done += 1
@@ -1682,8 +1708,8 @@ def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta
         t = gl.program_id(0)
         done = 0
         it = gl.to_tensor(0)
-        it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
-                                     kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
+        it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem,
+                                     ds_smem, ds_ready, kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
                                      q_len, kv_len, scale, HALF, GROUP, SPLITS, STAGES,
                                      BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
 
@@ -1709,6 +1735,12 @@ def _attention_bwd_dkdv_sm90(
     rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
+    # One tile of 64 keys for both consumers: their halves of P^T and dS^T, two steps' worth.
+    HALVES: gl.constexpr = 4 if KV_TILES == 1 else 1  # (else unused)
+    exchanged: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M // 2], q_desc.dtype)
+    p_smem = gl.allocate_shared_memory(q_desc.dtype, [HALVES, ROWS, BLOCK_M // 2], exchanged)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [HALVES, ROWS, BLOCK_M // 2], exchanged)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1719,20 +1751,22 @@ def _attention_bwd_dkdv_sm90(
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=2)  # the TMA copies', then the loader's once it stored LSE and delta
         mbarrier.init(empty.index(slot), count=2)  # released by both consumers
+    for buffer in gl.static_range(2):
+        mbarrier.init(ds_ready.index(buffer), count=2)  # both consumers' halves of P^T and dS^T are there
 
     gl.warp_specialize(
         [
             (
                 _sm90_dkdv_consumer,
-                (DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty,
-                 tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
+                (DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, kv_ready,
+                 kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
                  scale, 0, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
                  PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dkdv_consumer,
-                (DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty, ready, empty,
-                 tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
+                (DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, kv_ready,
+                 kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
                  scale, 1, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
                  PERSISTENT, DYNAMIC),
             ),
@@ -1856,39 +1890,59 @@ def _sm90_dq_loader(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_
 
 
 @gluon.jit
-def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ds_smem, ds_ready, ready, empty,
                          block_lo, block_hi, q_idx, b, h, q_len, kv_len, scale,
                          MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr):
-    """One consumer warpgroup's dQ contributions from one run of kv blocks (P from the LSE): the
-    columns [HALF * width, (HALF + 1) * width) of dQ where it is narrower than the head, else all."""
+    """One consumer warpgroup's dQ contributions from one run of kv blocks (P from the LSE). Where dQ
+    is narrower than the head (COLUMNS: both consumers hold the same queries), each works out S, dP
+    and dS for its half of each block's keys, puts dS in shared memory (ds_smem, two steps' worth),
+    and once both halves are there multiplies all of dS by its columns of K: no product is done twice."""
     ROWS: gl.constexpr = q_tile.shape[0]
     BLOCK_D: gl.constexpr = q_tile.shape[1]
     BLOCK_DV: gl.constexpr = do_tile.shape[1]
     DQ_COLUMNS: gl.constexpr = dq.shape[1]
-    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_N, False)
+    COLUMNS: gl.constexpr = DQ_COLUMNS < BLOCK_D
+    KEYS: gl.constexpr = BLOCK_N // 2 if COLUMNS else BLOCK_N  # the keys of this consumer's S and dP
+    FIRST_KEY: gl.constexpr = HALF * KEYS if COLUMNS else 0
+    s_layout: gl.constexpr = _sm90_acc_layout(KEYS, False)
     cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    s_zero = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
     for block in range(block_lo, block_hi):
         slot = it % STAGES
         k_tile = k_smem.index(slot).reshape([BLOCK_N, BLOCK_D])
         v_tile = v_smem.index(slot).reshape([BLOCK_N, BLOCK_DV])
-        kv_idx = gl.expand_dims(block * BLOCK_N + gl.arange(0, BLOCK_N, cols), 0)
+        k_keys = k_tile.slice(FIRST_KEY, KEYS, dim=0) if COLUMNS else k_tile
+        v_keys = v_tile.slice(FIRST_KEY, KEYS, dim=0) if COLUMNS else v_tile
+        kv_idx = gl.expand_dims(block * BLOCK_N + FIRST_KEY + gl.arange(0, KEYS, cols), 0)
         mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
         # S = Q K^T and dP = dO V^T, [queries, keys]: issued together, S waited first.
-        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(1, deps=(qk, q_tile, k_tile))[0]
+        qk = warpgroup_mma(q_tile, k_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, q_tile, k_keys))[0]
         p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale), lse)
         if MASKED:
             p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len), p, 0.0)
-        dp = warpgroup_mma_wait(0, deps=(dp, do_tile, v_tile))[0]
+        dp = warpgroup_mma_wait(0, deps=(dp, do_tile, v_keys))[0]
         ds = p * (dp - delta)
-        # dQ += dS K, with dS as the register operand.
-        ds_op = gl.convert_layout(ds.to(k_tile.dtype), ds_operand)
-        k_columns = k_tile.slice(HALF * DQ_COLUMNS, DQ_COLUMNS, dim=1) if DQ_COLUMNS < BLOCK_D else k_tile
-        dq = warpgroup_mma(ds_op, k_columns, dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq, ds_op, k_columns))[0]
+        if COLUMNS:
+            # dQ's columns += dS K's columns, each half of dS from shared memory once both are there
+            # (a buffer is written again two steps on, when the other consumer has passed this step).
+            buffer = it % 2
+            ds_smem.index(2 * buffer + HALF).store(ds.to(k_tile.dtype))
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buffer), count=1)
+            mbarrier.wait(ds_ready.index(buffer), (it // 2) & 1)
+            k_columns = k_tile.slice(HALF * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+            for keys in gl.static_range(2):
+                k_part = k_columns.slice(keys * KEYS, KEYS, dim=0)
+                dq = warpgroup_mma(ds_smem.index(2 * buffer + keys), k_part, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ds_smem, k_columns))[0]
+        else:
+            # dQ += dS K, with dS as the register operand.
+            ds_op = gl.convert_layout(ds.to(k_tile.dtype), ds_operand)
+            dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ds_op, k_tile))[0]
         mbarrier.arrive(empty.index(slot), count=1)
         it += 1
     return dq, it
@@ -1896,7 +1950,7 @@ def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, re
 
 @gluon.jit
 def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
-                          ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
+                          o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
                           scale, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """This consumer's share of tile t's block of queries, the program's `done`-th, over every kv
@@ -1907,8 +1961,9 @@ def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem
     BLOCK_D: gl.constexpr = q_smem.shape[4]
     BLOCK_DV: gl.constexpr = do_smem.shape[4]
     DQ_COLUMNS: gl.constexpr = BLOCK_D // 2 if COLUMNS else BLOCK_D
+    KEYS: gl.constexpr = BLOCK_N // 2 if COLUMNS else BLOCK_N  # the keys of this consumer's S (_sm90_dq_consume_run)
     TILE: gl.constexpr = 0 if COLUMNS else HALF
-    s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_N, False)
+    s_layout: gl.constexpr = _sm90_acc_layout(KEYS, False)
     dq_layout: gl.constexpr = _sm90_acc_layout(DQ_COLUMNS, False)
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     # O and dO as 8 consecutive columns a thread, for delta's row sums.
@@ -1935,20 +1990,26 @@ def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem
         delta -= gl.load(DLSE + at, mask=offs_m < q_len, other=0.0)
     if HALF == 0 or not COLUMNS:
         gl.store(DELTA + at, delta, mask=offs_m < q_len)
+    # COLUMNS: dS goes through O's buffer once both consumers have read O.
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KEYS], q_smem.dtype)
+    ds_smem = o_smem._reinterpret(q_smem.dtype, [4, ROWS, KEYS], ds_layout)  # 2 steps x 2 halves
+    if COLUMNS:
+        mbarrier.arrive(o_read, count=1)
+        mbarrier.wait(o_read, done & 1)
 
     dq = gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout)
     lse = gl.expand_dims(lse, 1)
     delta = gl.expand_dims(delta, 1)
     dq, it = _sm90_dq_consume_run(
-        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ds_smem, ds_ready, ready, empty,
         kv_lo, full_lo, q_idx, b, h, q_len, kv_len, scale, True, STAGES, BLOCK_N, HALF,
     )
     dq, it = _sm90_dq_consume_run(
-        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ds_smem, ds_ready, ready, empty,
         full_lo, full_hi, q_idx, b, h, q_len, kv_len, scale, False, STAGES, BLOCK_N, HALF,
     )
     dq, it = _sm90_dq_consume_run(
-        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ready, empty,
+        dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ds_smem, ds_ready, ready, empty,
         full_hi, kv_hi, q_idx, b, h, q_len, kv_len, scale, True, STAGES, BLOCK_N, HALF,
     )
     if COLUMNS:  # the other consumer may still read Q: dQ's columns go out from registers
@@ -1968,8 +2029,8 @@ def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem
 
 
 @gluon.jit
-def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
-                      empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, o_read,
+                      ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                       scale, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     """A consumer warpgroup: its half of the queries (or of dQ's columns) of each of this program's tiles."""
@@ -1980,7 +2041,7 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
         while t >= 0:
             it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                       q_ready, q_empty, ready, empty, t, done, it, batch_heads, section_heads,
+                                       q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
                                        num_heads, q_len, kv_len, scale, HALF, STAGES, BLOCK_M,
                                        BLOCK_N, HEAD_DIM)
             done += 1
@@ -1990,7 +2051,7 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         done = 0
         for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
             it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                       q_ready, q_empty, ready, empty, t, done, it, batch_heads, section_heads,
+                                       q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
                                        num_heads, q_len, kv_len, scale, HALF, STAGES, BLOCK_M,
                                        BLOCK_N, HEAD_DIM)
             done += 1
@@ -1999,7 +2060,7 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         done = 0
         it = gl.to_tensor(0)
         it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                   q_ready, q_empty, ready, empty, t, done, it, batch_heads, section_heads,
+                                   q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
                                    num_heads, q_len, kv_len, scale, HALF, STAGES, BLOCK_M,
                                    BLOCK_N, HEAD_DIM)
 
@@ -2023,11 +2084,16 @@ def _attention_bwd_dq_sm90(
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    o_read = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # (64-query blocks)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (64-query blocks)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     tile_smem, tile_ready, tile_empty = _sm90_tile_ring()
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)  # released by both consumers
+    mbarrier.init(o_read, count=2)  # both consumers have read O
+    for buffer in gl.static_range(2):
+        mbarrier.init(ds_ready.index(buffer), count=2)  # both consumers' halves of dS are in shared memory
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(empty.index(slot), count=2)  # released by both consumers
@@ -2036,14 +2102,14 @@ def _attention_bwd_dq_sm90(
         [
             (
                 _sm90_dq_consumer,
-                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
-                 empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, o_read,
+                 ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                  scale, 0, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dq_consumer,
-                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready,
-                 empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, o_read,
+                 ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                  scale, 1, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (
