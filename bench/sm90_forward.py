@@ -3,14 +3,14 @@
 Rows: the grid of bench/speed.py (causal and full, bf16, D = 64 / 128, N = 1k / 4k / 16k at B·N =
 16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k (a full bias at 4k, its
 tensor growing as N²). Each row times, with triton.testing.do_bench (median), the forward and
-forward + backward of: ours with the Hopper
-kernels ("sm90": the Gluon forward, dQ and dK/dV kernels where they serve the call, as a spec's
-sm90_forward_min_keys sends short programs to the Triton forward), the same module with them turned
-off ("triton": SM90_FORWARD = SM90_DQ = SM90_BACKWARD = 0 around the whole timed call, the Triton
-kernels alone), and the peers -- SDPA's cuDNN and FlashAttention-2 backends where they express the
-mask, else compiled FlexAttention. Before timing, each of our two forwards is checked against
-float64 at the row's length (one sequence, two heads, fresh inputs), by attngen.exactness's rule
-with the reference run in bf16 as the baseline; the gradients are proven in tests/test_gpu.py.
+forward + backward of: ours with the Hopper kernels ("sm90": the Gluon forward, dQ and dK/dV kernels
+where they serve the call, as a spec's sm90_forward_min_keys sends short programs to the Triton
+forward), the same module with them turned off ("triton": SM90_FORWARD = SM90_DQ = SM90_BACKWARD = 0
+around the whole timed call, the Triton kernels alone), and the peers -- SDPA's cuDNN and
+FlashAttention-2 backends where they express the mask, else compiled FlexAttention. Before timing,
+each of our two forwards is checked against float64 at the row's length (one sequence, two heads,
+fresh inputs), by attngen.exactness's rule with the reference run in bf16 as the baseline; the
+gradients are proven in tests/test_gpu.py.
 --graphs also times each call replayed from a CUDA graph, the kernels' time without the host's, and
 reports each eager call's host time: an eager forward + backward of ours spends 0.7-0.95 ms of it
 (Triton's launcher, the descriptors, autograd's device thread), so rows of less than ~1 ms measure
