@@ -97,18 +97,20 @@ def trained_position_reads(score: ir.Expr | None, grad_params: tuple[str, ...]) 
     return own, [load for load in reads if load not in own]
 
 
-def grads_of_positions(score: ir.Expr | None, grad_params: tuple[str, ...]) -> tuple[bool, bool]:
-    """Whether the score has trained reads of each kind of trained_position_reads (ProblemShape's)."""
+def problem_shape(
+    head_dim: int, head_dim_v: int, dtype: str, score: ir.Expr | None, grad_params: tuple[str, ...]
+) -> ProblemShape:
+    """What the targets' configs depend on (ProblemShape): the head dims and dtype, whether the score
+    has trained reads of each kind of trained_position_reads, and whether it reads a tensor at each pair."""
     own, computed = trained_position_reads(score, grad_params)
-    return bool(own), bool(computed)
+    pairs = score is not None and ir.reads_pairs(score)
+    return ProblemShape(head_dim, head_dim_v, dtype, bool(own), bool(computed), pair_reads=pairs)
 
 
 def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:
     """The spec at another head_dim and dtype, each target's unset keys re-defaulted (for tools
     that sweep shapes, such as the benchmarks)."""
-    grads = grads_of_positions(spec.score, spec.grad_params)
-    pairs = spec.score is not None and ir.reads_pairs(spec.score)
-    shape = ProblemShape(head_dim, spec.head_dim_v or head_dim, dtype, *grads, pair_reads=pairs)
+    shape = problem_shape(head_dim, spec.head_dim_v or head_dim, dtype, spec.score, spec.grad_params)
     configs = {t.name: t.make_config(spec.tables[t.name], shape, _refuse) for t in TARGETS}
     return replace(spec, head_dim=head_dim, dtype=dtype, configs=configs)
 

@@ -20,11 +20,10 @@ from typing import Any
 
 from attngen import ir
 from attngen.backends import TARGETS
-from attngen.backends.base import ProblemShape
 from attngen.errors import Diagnostic, Location, SpecError, shown
 from attngen.lang import parser
 from attngen.lang.typecheck import Scope, typecheck
-from attngen.spec.model import CAUSAL_MASKS, DTYPES, MAX_SPEC_BYTES, Spec, grads_of_positions
+from attngen.spec.model import CAUSAL_MASKS, DTYPES, MAX_SPEC_BYTES, Spec, problem_shape
 from attngen.spec.positions import Locator, Spot, TomlPositions
 from attngen.spec.schema import (
     NAME_RE,
@@ -276,13 +275,7 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     # Each target checks its own table; what depends on the shape, only once the shape is valid.
     shape = None
     if not v.problems:
-        shape = ProblemShape(
-            head_dim,
-            top.get("head_dim_v") or head_dim,
-            dtype,
-            *grads_of_positions(score, tuple(grad_params)),
-            pair_reads=score is not None and ir.reads_pairs(score),
-        )
+        shape = problem_shape(head_dim, top.get("head_dim_v") or head_dim, dtype, score, tuple(grad_params))
     tables, configs = {}, {}
     for target in TARGETS:
         tables[target.name] = v.typed(v.table(data, target.config_table), target.config_table)

@@ -1741,11 +1741,12 @@ def _attention_bwd_dkdv_sm90(
     rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows)
-    # One tile of 64 keys for both consumers: their halves of P^T and dS^T, two steps' worth.
-    HALVES: gl.constexpr = 4 if KV_TILES == 1 else 1  # (else unused)
+    # One tile of 64 keys for both consumers: their halves of P^T and dS^T, two steps x two halves
+    # (a placeholder tile each where every consumer has keys of its own).
+    EXCHANGED: gl.constexpr = 4 if KV_TILES == 1 else 1
     exchanged: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M // 2], q_desc.dtype)
-    p_smem = gl.allocate_shared_memory(q_desc.dtype, [HALVES, ROWS, BLOCK_M // 2], exchanged)
-    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [HALVES, ROWS, BLOCK_M // 2], exchanged)
+    p_smem = gl.allocate_shared_memory(q_desc.dtype, [EXCHANGED, ROWS, BLOCK_M // 2], exchanged)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [EXCHANGED, ROWS, BLOCK_M // 2], exchanged)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
