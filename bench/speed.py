@@ -730,7 +730,11 @@ def plot(out_dir: Path, rows: list[dict]) -> None:
     except ImportError:
         print("note: matplotlib is not installed, so no speed.png (results.json and table.md hold the numbers)")
         return
-    labels = [f"{r['case']} {SHORT[r['dtype']]} D{r['head_dim']} N{r['seq']}" for r in rows]
+    labels = [
+        f"{r['case']} {SHORT[r['dtype']]} D{r['head_dim']} N{r['seq']}"
+        + (f" H_kv={r['kv_heads']}" if r.get("kv_heads") not in (None, r["heads"]) else "")
+        for r in rows
+    ]
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.5 * len(rows)), 9), sharex=True)
     width = 0.2
     for ax, mode in zip(axes, MODES):
