@@ -26,18 +26,21 @@ def _operand_order(column: int) -> int:
 @pytest.mark.parametrize("name", ["causal", "value_dim"])
 @pytest.mark.parametrize("kv_len", [1, 33, 130])
 def test_v_is_transposed_into_the_order_of_ps_registers(name, kv_len):
-    """In the Triton interpreter: V^T padded to 32 keys with zeros, each 32 keys permuted as P's
-    registers hold them, from contiguous and FlashAttention-layout (strided) v alike."""
+    """In the Triton interpreter: V^T as a tile per block of keys ([BLOCK_DV, block_n], contiguous),
+    padded with zeros, each 32 keys permuted as P's registers hold them, from contiguous and
+    FlashAttention-layout (strided) v alike."""
     module = _module(name)
+    block_n, width = module.SM90_FP8_BLOCK_N, module.BLOCK_DV
     v = torch.randn(2, 3, kv_len, module.HEAD_DIM_V).to(torch.float8_e4m3fn)
-    padded = -(-kv_len // 32) * 32
+    padded = -(-kv_len // block_n) * block_n
     assert sorted(_operand_order(c) for c in range(padded)) == list(range(padded))
-    wanted = torch.zeros(2, 3, module.HEAD_DIM_V, padded, dtype=torch.uint8)
-    wanted[..., :kv_len] = v.transpose(2, 3).view(torch.uint8)
-    wanted = wanted[..., [_operand_order(c) for c in range(padded)]]
+    keys = torch.zeros(2, 3, padded, width, dtype=torch.uint8)  # [.., key, column of v], zero padded
+    keys[:, :, :kv_len, : module.HEAD_DIM_V] = v.view(torch.uint8)
+    columns = keys[:, :, [_operand_order(c) for c in range(padded)]].transpose(2, 3)  # V^T's columns in order
+    wanted = columns.reshape(2, 3, width, padded // block_n, block_n).transpose(2, 3).reshape(2, 3, -1, block_n)
     for layout in (v, v.transpose(1, 2).contiguous().transpose(1, 2)):
         transposed = module._fp8_transposed(layout)
-        assert transposed.stride(-1) == 1 and transposed.stride(-2) % 16 == 0  # TMA's alignment
+        assert transposed.is_contiguous() and transposed.stride(-2) % 16 == 0  # TMA's alignment
         assert torch.equal(transposed.view(torch.uint8), wanted)
 
 

@@ -1033,8 +1033,9 @@ def attention_with_kvcache(
 # persistent, the loader fetches the next tile's Q and K/V while the consumers store this one's output.
 #
 # FP8 (attention_fp8): q, k, v in float8 e4m3 with descale factors, the output in the spec's dtype.
-# wgmma reads fp8 operands from shared memory only K-major, so V arrives transposed (V^T, its keys
-# contiguous: _fp8_transposed) and P is rounded to e4m3 before P V, as FlashAttention-3 does.
+# wgmma reads fp8 operands from shared memory only K-major, so V arrives transposed (V^T, a tile per
+# kv block, its keys contiguous: _fp8_transposed) and P is rounded to e4m3 before P V, as
+# FlashAttention-3 does.
 
 
 @gluon.jit
@@ -1050,8 +1051,9 @@ def _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, block * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        if FP8:  # V^T: the block's keys are columns
-            tma.async_copy_global_to_shared(v_desc, [b, h_kv, 0, block * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+        if FP8:  # V^T: the block's tile of _fp8_transposed, its keys the columns
+            v_row = block * v_desc.block_type.shape[2]
+            tma.async_copy_global_to_shared(v_desc, [b, h_kv, v_row, 0], v_ready.index(slot), v_smem.index(slot))
         else:
             tma.async_copy_global_to_shared(v_desc, [b, h_kv, block * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
         it += 1
@@ -2297,24 +2299,29 @@ def _sm90_section(units, load_bytes, units_per_load=1):
 
 
 def _fp8_transposed(v):
-    """V^T for the FP8 kernel: [batch, kv_heads, HEAD_DIM_V, kv_len padded to 32], as FP8 wgmma reads
-    its shared-memory operands K-major only, each 32 keys in the order P's registers hold them
-    (_sm90_p_operand), the padding zeros. One copy of v (FlashAttention-3 transposes in the kernel)."""
-    batch, kv_heads, kv_len, width = v.shape
-    transposed = v.new_empty((batch, kv_heads, width, _cdiv(kv_len, 32) * 32))
+    """V^T for the FP8 kernel, as FP8 wgmma reads its shared-memory operands K-major only: each block
+    of SM90_FP8_BLOCK_N keys a [BLOCK_DV, SM90_FP8_BLOCK_N] tile of its own, contiguous (so that the
+    kernel's TMA copies one 16 KiB run, not BLOCK_DV rows kv_len apart), each 32 keys in the order
+    P's registers hold them (_sm90_p_operand), the padding zeros: [batch, kv_heads, blocks * BLOCK_DV,
+    SM90_FP8_BLOCK_N]. One copy of v (FlashAttention-3 transposes in the kernel: BENCHMARKS.md,
+    2026-12-04, "V transposed in the FP8 kernel")."""
+    batch, kv_heads, kv_len, _ = v.shape
+    blocks = _cdiv(kv_len, SM90_FP8_BLOCK_N)
+    transposed = v.new_empty((batch, kv_heads, blocks * BLOCK_DV, SM90_FP8_BLOCK_N))
     if transposed.numel() > 0:
         # As bytes: torch's own strided copy moves 1-byte elements at a tenth of the bandwidth.
         source, target = v.view(torch.uint8), transposed.view(torch.uint8)
-        _transpose_keys[(_cdiv(kv_len, 64), batch * kv_heads)](
-            source, target, kv_heads, kv_len, *source.stride()[:3], *target.stride()[:3], WIDTH=BLOCK_DV, BLOCK=64
+        _transpose_keys[(blocks * SM90_FP8_BLOCK_N // 64, batch * kv_heads)](
+            source, target, kv_heads, kv_len, *source.stride()[:3], *target.stride()[:3], WIDTH=BLOCK_DV,
+            BLOCK_N=SM90_FP8_BLOCK_N, BLOCK=64,
         )
     return transposed
 
 
 @triton.jit
 def _transpose_keys(V, VT, kv_heads, kv_len, stride_b, stride_h, stride_s, t_stride_b, t_stride_h, t_stride_d,
-                    WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """BLOCK columns of V^T (keys padded to 32, in _fp8_transposed's order) of one (batch, kv head)."""
+                    WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK columns of V^T (in _fp8_transposed's tiles and order) of one (batch, kv head)."""
     bh = tl.program_id(1)
     b, h = (bh // kv_heads).to(tl.int64), (bh % kv_heads).to(tl.int64)
     columns = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -2324,10 +2331,10 @@ def _transpose_keys(V, VT, kv_heads, kv_len, stride_b, stride_h, stride_s, t_str
     cols = tl.arange(0, WIDTH)
     in_range = (keys[:, None] < kv_len) & (cols[None, :] < 128)
     source = V + b * stride_b + h * stride_h + keys.to(tl.int64)[:, None] * stride_s + cols[None, :]
-    tile = tl.load(source, mask=in_range, other=0)  # zeros past kv_len: the padding
-    target = VT + b * t_stride_b + h * t_stride_h + cols.to(tl.int64)[:, None] * t_stride_d + columns[None, :]
-    padded = (kv_len + 31) // 32 * 32
-    tl.store(target, tl.trans(tile), mask=(cols[:, None] < 128) & (columns[None, :] < padded))
+    tile = tl.load(source, mask=in_range, other=0)  # zeros past kv_len and head_dim_v: the padding
+    rows = (columns // BLOCK_N * WIDTH).to(tl.int64)[None, :] + cols[:, None]  # the key block's tile, its row
+    target = VT + b * t_stride_b + h * t_stride_h + rows * t_stride_d + (columns % BLOCK_N)[None, :]
+    tl.store(target, tl.trans(tile))
 
 
 def _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
