@@ -339,6 +339,17 @@ def _sm90_take_tile(tile_smem, tile_ready, tile_empty, taken):
 
 
 @gluon.jit
+def _sm90_exchange(ready, it):
+    """Where both consumers share one tile's keys or queries and split the columns (heads wider than
+    128): this consumer's half of step `it`'s exchange buffers (P^T and dS^T, or dS) is stored, made
+    visible to wgmma, and both halves are there once the step's barrier (one of two, alternating)
+    has both arrivals."""
+    fence_async_shared()
+    mbarrier.arrive(ready.index(it % 2), count=1)
+    mbarrier.wait(ready.index(it % 2), (it // 2) & 1)
+
+
+@gluon.jit
 def _sm90_store_rows(ptr, tile, first, length, column: gl.constexpr, width: gl.constexpr):
     """tile -> rows [first, first + rows) and columns from `column` of a [length, width] row-major
     array, within its bounds."""

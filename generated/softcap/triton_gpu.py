@@ -329,6 +329,17 @@ def _sm90_take_tile(tile_smem, tile_ready, tile_empty, taken):
 
 
 @gluon.jit
+def _sm90_exchange(ready, it):
+    """Where both consumers share one tile's keys or queries and split the columns (heads wider than
+    128): this consumer's half of step `it`'s exchange buffers (P^T and dS^T, or dS) is stored, made
+    visible to wgmma, and both halves are there once the step's barrier (one of two, alternating)
+    has both arrivals."""
+    fence_async_shared()
+    mbarrier.arrive(ready.index(it % 2), count=1)
+    mbarrier.wait(ready.index(it % 2), (it // 2) & 1)
+
+
+@gluon.jit
 def _sm90_store_rows(ptr, tile, first, length, column: gl.constexpr, width: gl.constexpr):
     """tile -> rows [first, first + rows) and columns from `column` of a [length, width] row-major
     array, within its bounds."""
@@ -1607,9 +1618,7 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem
             buffer = it % 2
             p_smem.index(2 * buffer + HALF).store(p_low)
             ds_smem.index(2 * buffer + HALF).store(ds_low)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(buffer), count=1)
-            mbarrier.wait(ds_ready.index(buffer), (it // 2) & 1)
+            _sm90_exchange(ds_ready, it)
             do_columns = do_tile.slice(HALF * DV_COLUMNS, DV_COLUMNS, dim=1)
             q_columns = q_tile.slice(HALF * DK_COLUMNS, DK_COLUMNS, dim=1)
             for queries in gl.static_range(2):
@@ -1947,9 +1956,7 @@ def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ds
             # (a buffer is written again two steps on, when the other consumer has passed this step).
             buffer = it % 2
             ds_smem.index(2 * buffer + HALF).store(ds.to(k_tile.dtype))
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(buffer), count=1)
-            mbarrier.wait(ds_ready.index(buffer), (it // 2) & 1)
+            _sm90_exchange(ds_ready, it)
             k_columns = k_tile.slice(HALF * DQ_COLUMNS, DQ_COLUMNS, dim=1)
             for keys in gl.static_range(2):
                 k_part = k_columns.slice(keys * KEYS, KEYS, dim=0)
