@@ -8,7 +8,7 @@ import torch
 from attngen.errors import SpecError
 from attngen.exactness import FP8, allowed_error, check_forward
 from attngen.reference import attention_ref_torch
-from attngen.spec import load_spec, parse_spec, retarget
+from attngen.spec import load_spec, parse_spec, retarget, with_config
 from attngen.testing import fp8_quantized
 from tests import harness
 
@@ -23,13 +23,16 @@ def _operand_order(column: int) -> int:
     return column - c + 16 * (c // 16) + 8 * (c // 2 % 2) + 2 * (c // 4 % 4) + c % 2
 
 
-@pytest.mark.parametrize("name", ["causal", "value_dim"])
+@pytest.mark.parametrize(("name", "block_n"), [("causal", None), ("causal", 32), ("value_dim", None)])
 @pytest.mark.parametrize("kv_len", [1, 33, 130])
-def test_v_is_transposed_into_the_order_of_ps_registers(name, kv_len):
+def test_v_is_transposed_into_the_order_of_ps_registers(name, block_n, kv_len):
     """In the Triton interpreter: V^T as a tile per block of keys ([BLOCK_DV, block_n], contiguous),
     padded with zeros, each 32 keys permuted as P's registers hold them, from contiguous and
-    FlashAttention-layout (strided) v alike."""
-    module = _module(name)
+    FlashAttention-layout (strided) v alike; also with the FP8 kernel's steps pinned to 32 keys."""
+    spec = load_spec(f"specs/{name}.toml")
+    if block_n:
+        spec = with_config(spec, "triton_gpu", sm90_fp8_block_n=block_n)
+    module = harness.load_target(spec, "triton_gpu")
     block_n, width = module.SM90_FP8_BLOCK_N, module.BLOCK_DV
     v = torch.randn(2, 3, kv_len, module.HEAD_DIM_V).to(torch.float8_e4m3fn)
     padded = -(-kv_len // block_n) * block_n

@@ -2318,7 +2318,7 @@ def _sm90_section(units, load_bytes, units_per_load=1):
 def _fp8_transposed(v):
     """V^T for the FP8 kernel, as FP8 wgmma reads its shared-memory operands K-major only: each block
     of SM90_FP8_BLOCK_N keys a [BLOCK_DV, SM90_FP8_BLOCK_N] tile of its own, contiguous (so that the
-    kernel's TMA copies one 16 KiB run, not BLOCK_DV rows kv_len apart), each 32 keys in the order
+    kernel's TMA copies one run, not BLOCK_DV rows kv_len apart), each 32 keys in the order
     P's registers hold them (_sm90_p_operand), the padding zeros: [batch, kv_heads, blocks * BLOCK_DV,
     SM90_FP8_BLOCK_N]. One copy of v (FlashAttention-3 transposes in the kernel: BENCHMARKS.md,
     2026-12-04, "V transposed in the FP8 kernel")."""
@@ -2328,9 +2328,10 @@ def _fp8_transposed(v):
     if transposed.numel() > 0:
         # As bytes: torch's own strided copy moves 1-byte elements at a tenth of the bandwidth.
         source, target = v.view(torch.uint8), transposed.view(torch.uint8)
-        _transpose_keys[(blocks * SM90_FP8_BLOCK_N // 64, batch * kv_heads)](
+        columns = min(64, SM90_FP8_BLOCK_N)  # a program's, dividing the padded keys
+        _transpose_keys[(blocks * SM90_FP8_BLOCK_N // columns, batch * kv_heads)](
             source, target, kv_heads, kv_len, *source.stride()[:3], *target.stride()[:3], WIDTH=BLOCK_DV,
-            BLOCK_N=SM90_FP8_BLOCK_N, BLOCK=64,
+            BLOCK_N=SM90_FP8_BLOCK_N, BLOCK=columns,
         )
     return transposed
 
