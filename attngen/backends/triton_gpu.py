@@ -435,6 +435,9 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     # K and V tiles of 128 keys fit the ring for head dims up to 128; wider heads take 64 keys.
     for key in ("sm90_block_n", "sm90_fp8_block_n"):
         config.setdefault(key, 128 if shape.widest <= 128 else 64)
+    # FP8's tiles are half as wide: at head dims up to 128 its ring holds four K/V stages (176 KiB),
+    # 1.01-1.03x two at 16k keys, 1.03-1.04x at 4k (H200, BENCHMARKS.md, 2026-12-04, "four stages").
+    config.setdefault("sm90_fp8_num_stages", 4 if shape.widest <= 128 else 2)
     # A gradient written per pair makes the dQ kernel store a float32 tile of block_m x block_n per
     # step: with 64 keys a step at D = 128 it passes sm90's shared memory (257 KiB, `attngen check`).
     # A relative table's gradient skews each dQ tile into block_m x 2 * max(block_m, block_n) floats

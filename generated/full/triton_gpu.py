@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.full_c98f8e899ced_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.full_d441dad4763a_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -116,7 +116,7 @@ SM90_FP8 = 1
 SM90_FP8_BLOCK_M = 128
 SM90_FP8_BLOCK_N = 128
 SM90_FP8_NUM_WARPS = 4
-SM90_FP8_NUM_STAGES = 2
+SM90_FP8_NUM_STAGES = 4
 # Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program (128: half per consumer warpgroup; 64: all for both, which split the columns), SM90_DKDV_BLOCK_M queries per step.
 SM90_BACKWARD = 1
 SM90_DKDV_BLOCK_M = 64
@@ -2446,7 +2446,7 @@ def _sm_count(device):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "full_c98f8e899ced"
+_OP = "full_d441dad4763a"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -2475,7 +2475,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     def _autograd_backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.attngen.full_c98f8e899ced_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.full_d441dad4763a_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -2527,7 +2527,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
         scale = 1.0 / math.sqrt(HEAD_DIM)
     scale, params = float(scale), [*scalars.values(), *tensors.values()]
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        out, lse = torch.ops.attngen.full_c98f8e899ced_fwd(q, k, v, scale, *params)
+        out, lse = torch.ops.attngen.full_d441dad4763a_fwd(q, k, v, scale, *params)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
         out, lse = _Attention.apply(q, k, v, scale, *params)  # eager: cheaper than the custom op's dispatch
     else:  # no gradient wanted (inference): the kernels without autograd's bookkeeping
