@@ -11,11 +11,17 @@ heads as they are (no repeat_kv), and write the output in the [batch, seq, heads
 the model reshapes next: no copies. The spec owns the mask: register a causal spec for a decoder,
 a sliding-window spec (param `window`) for sliding-window layers, a soft-capping spec (param
 `softcap`) for Gemma-style logits, a spec with a learnable sink (`[sink] expr = "sinks[h]"`) for
-gpt-oss, whose layers pass their sinks (`s_aux`) to it. What the kernels cannot honour is refused
-with a clear error,
-never ignored: dropout, a padding mask, and queries shorter than the keys (generation from a
-cache: use the module's `attention_with_kvcache`). Under autocast, q, k and v are cast to its
-dtype first, as SDPA does (it must be the spec's).
+gpt-oss, whose layers pass their sinks (`s_aux`) to it.
+
+Generation (`model.generate`): a step with fewer queries than keys (the new tokens against
+transformers' cache, which passes every key so far) runs the module's `attention_with_kvcache`,
+whose positions are transformers': the new tokens are the sequence's last. A sliding-window layer's
+cache keeps only the window's keys; masks and scores of relative positions (causal, a window,
+ALiBi, soft-capping) read it right, those of absolute positions (a prefix, documents) would not.
+What the kernels cannot honour is refused with a clear error, never ignored: dropout, a padding
+mask (batched prompts of unequal length, and transformers' StaticCache, which masks its unused
+slots), and gradients through a cache step. Under autocast, q, k and v are cast to its dtype
+first, as SDPA does (it must be the spec's).
 """
 
 from __future__ import annotations
@@ -48,11 +54,8 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
                 "attngen kernels take no padding mask: the spec is the mask. Pass unpadded batches"
                 " (or pack sequences with a varlen spec)."
             )
-        if query.shape[2] != key.shape[2]:
-            raise ValueError(
-                f"{query.shape[2]} queries against {key.shape[2]} keys (generation from a cache): the spec's"
-                " positions start at 0 for both; use the module's attention_with_kvcache"
-            )
+        if query.shape[2] > key.shape[2]:
+            raise ValueError(f"{query.shape[2]} queries against {key.shape[2]} keys: more queries than keys")
         device = query.device.type
         if torch.is_autocast_enabled(device):  # as SDPA does: RoPE leaves Llama's q and k in float32
             query, key, value = (x.to(torch.get_autocast_dtype(device)) for x in (query, key, value))
@@ -71,8 +74,18 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
             if param not in spec_params:
                 raise ValueError(f"the model passes {hf_name}={value_of_layer}, and the spec has no `{param}` param")
             layer[param] = value_of_layer
-        out = module.attention(query, key, value, scale=scaling, **layer)
-        # [batch, seq, heads, head_dim]: contiguous, as the kernels wrote it in the projections' order.
+        if query.shape[2] == key.shape[2]:
+            out = module.attention(query, key, value, scale=scaling, **layer)
+            # [batch, seq, heads, head_dim]: contiguous, as the kernels wrote it in the projections' order.
+            return out.transpose(1, 2), None
+        # A generation step: the new tokens against every key so far, the last of which are theirs.
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+            raise ValueError(
+                f"{query.shape[2]} queries against {key.shape[2]} keys with gradients: a step from a cache"
+                " runs attention_with_kvcache, which is inference only"
+            )
+        lengths = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=query.device)
+        out = module.attention_with_kvcache(query, key, value, lengths, scale=scaling, **layer)
         return out.transpose(1, 2), None
 
     return attngen_attention

@@ -15,7 +15,16 @@ specs/causal.toml at the model's head dim; for gpt-oss, causal + window + sinks)
   2. Speed and memory: `--steps` optimizer steps after three warm-up steps, per implementation;
      tokens/s and peak allocated memory over those steps.
 
-    python bench/models.py [--only gpt2-small,llama-style] [--steps 10]
+With `--generate`, instead, with bf16 weights and transformers' DynamicCache (attngen's prompt
+runs `attention`, each later token `attention_with_kvcache`):
+  1. Agreement: the prompt, then 16 given tokens one at a time through the cache; the logits of
+     those 16 steps under each implementation against float32 eager's (relative error of all of
+     them as one vector); attngen passes within twice the largest of the peers'. (Greedy tokens
+     are not compared: with random weights the logits are nearly flat, and bf16 rounding tips ties.)
+  2. Speed: greedy generation (`model.generate`) of `--new-tokens` tokens after a `--prompt`-token
+     prompt, after one warm-up generation: new tokens/s.
+
+    python bench/models.py [--only gpt2-small,llama-style] [--steps 10] [--generate [--prompt 512] [--new-tokens 64]]
 
 Prints a table last; writes results.json to $OUT (or ./bench-out).
 """
@@ -161,13 +170,58 @@ def training(model: Model, impl: str, tokens, steps: int) -> dict:
     return result
 
 
-def run_model(model: Model, steps: int) -> dict:
+def cache_step_logits(m, prompt, steps) -> torch.Tensor:
+    """The logits of each of `steps`' tokens fed one at a time through the cache, after the prompt."""
+    out = m(input_ids=prompt, use_cache=True)
+    logits = []
+    for token in steps.T:
+        out = m(input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True)
+        logits.append(out.logits[:, -1].float())
+    return torch.stack(logits)
+
+
+def generation(model: Model, names: dict, prompt_len: int, new_tokens: int) -> dict:
+    """Per implementation: the cache steps' logit error against float32 eager, and the new tokens/s
+    of greedy generation."""
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (model.batch, prompt_len), generator=generator).cuda()
+    steps = torch.randint(0, model.config.vocab_size, (model.batch, 16), generator=generator).cuda()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    with torch.no_grad():
+        (reference,) = models(model, ["eager"])
+        ref = cache_step_logits(reference.eval(), prompt, steps)
+        del reference
+        results = {}
+        for impl, m in zip(model.impls, models(model, [names[i] for i in model.impls]), strict=True):
+            m = m.eval().to(torch.bfloat16)
+            error = ((cache_step_logits(m, prompt, steps) - ref).norm() / ref.norm()).item()
+            settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            m.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)  # warm-up: compiles the kernels
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = m.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            rate = (out.shape[1] - prompt_len) * model.batch / seconds
+            results[impl] = {"logits_error": error, "new_tokens_per_s": rate}
+            del m
+            torch.cuda.empty_cache()
+    noise = max(results[peer]["logits_error"] for peer in model.peers)
+    return {"impls": results, "ok": results["attngen"]["logits_error"] <= 2 * noise}
+
+
+def registered(model: Model) -> dict:
+    """The implementation names transformers knows: attngen's registered module and the peers."""
     if model.spec is None:
         spec = retarget(load_spec(ROOT / "specs" / "causal.toml"), model.head_dim, "bfloat16")
     else:
         spec = parse_spec(model.spec, "bench/models.py")
     names = {"attngen": attngen.hf.register(f"attngen_{spec.name}", load(spec, "triton_gpu"), model.params)}
-    names |= {peer: peer for peer in model.peers}
+    return names | {peer: peer for peer in model.peers}
+
+
+def run_model(model: Model, steps: int) -> dict:
+    names = registered(model)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.config.vocab_size, (model.batch, model.seq), generator=generator).cuda()
     result = {"model": model.name, "batch": model.batch, "seq": model.seq, "agreement": agreement(model, names, tokens)}
@@ -182,6 +236,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=None, help="comma-separated model names")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--generate", action="store_true", help="time greedy generation instead of training")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     chosen = [m for m in MODELS if args.only is None or m.name in args.only.split(",")]
     out_dir = Path(os.environ.get("OUT", "bench-out"))
@@ -192,6 +249,9 @@ def main() -> None:
         "triton": triton.__version__,
         "transformers": transformers.__version__,
     }
+    if args.generate:
+        generate(chosen, args.prompt, args.new_tokens, env, out_dir)
+        return
     results = []
     for model in chosen:
         results.append(run_model(model, args.steps))
@@ -213,6 +273,25 @@ def main() -> None:
             )
         print(f"{r['model']:13} attngen within twice the peers' error: {r['agreement']['ok']}")
 
+
+def generate(chosen, prompt_len: int, new_tokens: int, env: dict, out_dir: Path) -> None:
+    results = []
+    for model in chosen:
+        run = generation(model, registered(model), prompt_len, new_tokens)
+        results.append({"model": model.name, "batch": model.batch, "prompt": prompt_len, "new_tokens": new_tokens})
+        results[-1]["generation"] = run
+        print(f"{model.name}: {results[-1]}", flush=True)
+        (out_dir / "results.json").write_text(json.dumps({"environment": env, "models": results}, indent=1))
+    print(f"\n{env}\ngreedy generation, bf16 weights, DynamicCache: prompts of {prompt_len}, {new_tokens} new tokens")
+    print(f"{'model':13} {'batch':>5} {'impl':8} {'logits err':>10} {'tokens/s':>9} {'/sdpa':>6} {'/eager':>7}")
+    for r in results:
+        gen = r["generation"]["impls"]
+        for impl, g in gen.items():
+            rate = g["new_tokens_per_s"]
+            speed = [f"{rate / gen[p]['new_tokens_per_s']:.2f}" if p in gen else "–" for p in ("sdpa", "eager")]
+            row = f"{r['model']:13} {r['batch']:5} {impl:8} {g['logits_error']:10.2e} {rate:9.0f}"
+            print(f"{row} {speed[0]:>6} {speed[1]:>7}")
+        print(f"{r['model']:13} attngen's cache steps within twice the peers' error: {r['generation']['ok']}")
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """attngen.hf: generated kernels inside Hugging Face transformers models (Triton interpreter). A
 GPT-2 and a Llama-style model (grouped kv heads, RoPE), random weights from a small config: the loss
-and every parameter's gradient agree with transformers' eager attention; what the kernels cannot
-honour (dropout, padding, generation from a cache) is refused."""
+and every parameter's gradient agree with transformers' eager attention, and so does greedy
+generation (its steps through attention_with_kvcache); what the kernels cannot honour (dropout,
+padding, gradients through a cache step) is refused."""
 
 import copy
 
@@ -83,14 +84,40 @@ def test_what_the_kernels_cannot_honour_is_refused():
     padding[0, :3] = 0
     with pytest.raises(ValueError, match="no padding mask"):
         ours(input_ids=tokens, attention_mask=padding)
-    with pytest.raises(ValueError, match="generation from a cache"):
-        ours.generate(tokens[:1], max_new_tokens=2, do_sample=False)
     ours.train()  # GPT-2 passes its attn_pdrop in training
     ours.config.attn_pdrop = 0.1
     for block in ours.transformer.h:
         block.attn.attn_dropout.p = 0.1
     with pytest.raises(ValueError, match="no attention dropout"):
         ours(input_ids=tokens)
+
+
+@pytest.mark.parametrize("model_name", sorted(CONFIGS))
+def test_greedy_generation_through_the_cache_matches_eager_attention(model_name):
+    """The prompt runs `attention`, each new token `attention_with_kvcache` against transformers'
+    cache: the same tokens as eager attention, and the same logits at every step."""
+    make, config, head_dim = CONFIGS[model_name]
+    name = attngen.hf.register(f"attngen_test_generate_{model_name}", _causal(head_dim))
+    eager, ours = _models(make, config, name)
+    prompt = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    runs = [
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                       output_logits=True, return_dict_in_generate=True)
+        for model in (ours, eager)
+    ]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for step, (logits, ref) in enumerate(zip(runs[0].logits, runs[1].logits, strict=True)):
+        torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-4, msg=f"step {step}")
+
+
+def test_a_cache_step_with_gradients_is_refused():
+    attention = attngen.hf.attention_function(_causal(32))
+    q = torch.randn(1, 2, 1, 32, requires_grad=True)
+    k = torch.randn(1, 2, 6, 32)
+    with pytest.raises(ValueError, match="inference only"):
+        attention(None, q, k, k, None)
+    with pytest.raises(ValueError, match="more queries than keys"):
+        attention(None, k, q, q, None)
 
 
 def test_a_layers_sliding_window_needs_a_window_param():
