@@ -250,7 +250,7 @@ def main() -> None:
         "transformers": transformers.__version__,
     }
     if args.generate:
-        generate(chosen, args.prompt, args.new_tokens, env, out_dir)
+        generation_table(chosen, args.prompt, args.new_tokens, env, out_dir)
         return
     results = []
     for model in chosen:
@@ -274,7 +274,8 @@ def main() -> None:
         print(f"{r['model']:13} attngen within twice the peers' error: {r['agreement']['ok']}")
 
 
-def generate(chosen, prompt_len: int, new_tokens: int, env: dict, out_dir: Path) -> None:
+def generation_table(chosen, prompt_len: int, new_tokens: int, env: dict, out_dir: Path) -> None:
+    """Each chosen model's generation(), then its table."""
     results = []
     for model in chosen:
         run = generation(model, registered(model), prompt_len, new_tokens)
