@@ -177,6 +177,15 @@ def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim,
     _assert_exact(spec, params, (q, k, v, dout), out, lse, grads)
     results, _ = _fp8_forward(spec, module, q, k, v, kv_heads, params)
     assert_forward(FP8, *results)
+    # The counter walk's kernels (forward, dQ, dK/dV, FP8 forward) share one kept counter on this
+    # stream: each launch's last take zeroes it, so the next starts from tile 0 (a shorter call's
+    # tiles too, where the params allow one), with the same bits.
+    for _ in range(2):
+        assert not any(counters.any() for counters in module._COUNTERS.values())
+        again = _out_and_grads(lambda *x: module.attention(*x, return_lse=True, **params), q, k, v, dout)
+        assert all(torch.equal(a, b) for a, b in zip((out, lse, *grads), (again[0], again[1], *again[2])))
+        if not params:
+            module.attention(q[:, :, :300], k[:, :, :300], v[:, :, :300])
 
 
 def _fp8_forward(spec, module, q, k, v, kv_heads, params, per_head=True):
@@ -287,6 +296,7 @@ def test_the_last_split_merges_exactly_and_repeatably_on_the_gpu():
             for run in range(20)
         ]
         assert not workspace.any()
+        assert not any(counters.any() for counters in module._COUNTERS.values())  # the kept ones (no workspace)
         for out, lse in runs[1:]:
             assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
         out, lse = runs[0]
@@ -441,6 +451,39 @@ def test_varlen_on_the_gpu():
     verdict = judge("bfloat16", errors, {"out": (base_out.double() - ref_out).abs().max().item()})
     assert verdict.ok, verdict.message
     assert_grads("bfloat16", ours, ref, base)
+
+
+def test_calls_on_a_gpu_other_than_the_current_one():
+    """A model split over GPUs calls attention on its second GPU while the first is current (PyTorch's
+    own kernels follow their tensors): the forward, backward and decode launch on the tensors' GPU,
+    exact."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    spec = load_spec("specs/causal.toml")
+    module = harness.load_target(spec, "triton_gpu")
+    torch.cuda.set_device(0)
+    with torch.cuda.device(1):
+        q, k, v, dout = _inputs(spec, 2, 4, 700, 700, seed=3)
+    assert q.device.index == 1 and torch.cuda.current_device() == 0
+    out, lse, grads = _out_and_grads(lambda *x: module.attention(*x, return_lse=True), q, k, v, dout)
+    assert out.device.index == 1 and all(g.device.index == 1 for g in grads)
+    _assert_exact(spec, {}, (q, k, v, dout), out, lse, grads)
+    # (autograd ran the backward with GPU 1 current, as it does each device's; called directly:)
+    direct = module.attention_backward(dout, None, q, k, v, out, lse)
+    assert all(torch.equal(a, b) for a, b in zip(direct, grads))
+    lens = torch.tensor([700, 333], dtype=torch.int32, device=q.device)
+    new = q[:, :, -2:]
+    out, lse = module.attention_with_kvcache(new, k, v, lens, return_lse=True)
+    assert out.device.index == 1 and torch.cuda.current_device() == 0
+    for b, n in enumerate(lens.tolist()):  # the new tokens are the last 2 of each sequence's n
+        queries = torch.cat([q[b : b + 1, :, : n - 2], new[b : b + 1]], 2)
+        keys, values = k[b : b + 1, :, :n], v[b : b + 1, :, :n]
+        ref_out, ref_lse = attention_ref_torch(spec, queries, keys, values, dtype=torch.float64)
+        base_out, _ = attention_ref_torch(spec, queries, keys, values, dtype=torch.bfloat16)
+        tail = slice(n - 2, n)
+        assert_forward(
+            "bfloat16", out[b : b + 1], lse[b : b + 1], ref_out[:, :, tail], ref_lse[:, :, tail], base_out[:, :, tail]
+        )
 
 
 CONTEXT_PARALLEL = [

@@ -160,6 +160,45 @@ SM90_L2_BYTES = 8 * 1024 * 1024
 PROGRAMS_PER_SM = 4
 
 
+# ---------------------------------------------------------------------------- the device and stream of a launch
+
+
+def _on_their_device(launcher):
+    """`launcher` run with its first argument's GPU current. Triton launches on the current device,
+    where PyTorch's kernels follow their tensors: a model split over GPUs calls attention with another
+    GPU current, and the kernel would run there, unordered with the stream that made its inputs."""
+
+    @functools.wraps(launcher)
+    def on_their_device(first, *args, **kwargs):
+        index = first.get_device()  # -1 on the CPU
+        if index >= 0 and index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                return launcher(first, *args, **kwargs)
+        return launcher(first, *args, **kwargs)
+
+    return on_their_device
+
+
+_COUNTERS = {}  # (device index, stream) -> int32 zeros
+
+
+def _stream_counters(device, n):
+    """n int32 counters, zero, for a kernel that zeroes them again as it ends (the Hopper walks' tile
+    counter, the decode splits'). Eager calls share one buffer per device and stream, kept across
+    calls: launches on one stream run one after another, and a call then allocates and clears nothing
+    (a fresh zero tensor costs ~11 us of host time on the H200's host, and a memset on the GPU).
+    Under CUDA-graph capture, fresh zeros, cleared in the graph: it may be replayed on any stream."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, device=device, dtype=torch.int32)
+    # (the stream's handle as Inductor's generated code reads it: torch.cuda.current_stream builds a
+    # Stream object, ~5 us)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < n:
+        counters = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return counters
+
+
 @triton.jit
 def tanh(x):
     # From exp, as libdevice is unavailable under TRITON_INTERPRET; exp's argument stays <= 0.
@@ -843,6 +882,7 @@ DECODE_LONG_BLOCK_N = 128
 DECODE_LONG_SPLIT_KEYS = 8192
 
 
+@_on_their_device
 def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_splits, workspace):
     """(out, lse) of the new tokens q [B, H, T, D] against a KV cache (see attention_with_kvcache)."""
     batch, heads, new_tokens, _ = q.shape
@@ -867,7 +907,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
     if num_splits > 1:
         parts = torch.empty((num_splits, batch, heads, new_tokens, HEAD_DIM_V), device=q.device, dtype=torch.float32)
         lse_parts = torch.empty((num_splits, batch, heads, new_tokens), device=q.device, dtype=torch.float32)
-        splits_done = kvcache_workspace(q.device, batch * kv_heads * row_blocks) if workspace is None else workspace
+        splits_done = _stream_counters(q.device, batch * kv_heads * row_blocks) if workspace is None else workspace
     table = block_table if paged else cache_seqlens  # (unread without pages)
     if torch.version.hip:
         stages = DECODE_NUM_STAGES_HIP
@@ -1009,7 +1049,8 @@ def attention_with_kvcache(
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
         num_splits: how many programs share the keys of one sequence (default: enough to fill the GPU).
         workspace: kvcache_workspace(device)'s counters, reused across calls (as serving engines keep
-            one per stream): no memset a call. Default: fresh counters each call.
+            one per stream): no memset a call. Default: eager calls share counters kept per stream;
+            under CUDA-graph capture each call gets fresh ones, cleared in the graph (pass one there).
         softcap (float): runtime parameter of the spec.
 
     Returns:
@@ -1130,7 +1171,12 @@ def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empt
             # Taken once this tile's loads are issued: the consumers are a tile behind, so they do
             # not wait for the atomic's round trip. Relaxed: the count orders nothing else (the
             # default acq_rel fences the loader's memory traffic at each take).
-            t = gl.num_programs(0) + gl.atomic_add(TILE_COUNTER, 1, sem="relaxed")
+            taken = gl.atomic_add(TILE_COUNTER, 1, sem="relaxed")
+            # A launch takes `tiles` times (each program's last take finds no tile): the last one
+            # leaves the counter zero for the next launch (_stream_counters keeps it across calls).
+            if taken == tiles - 1:
+                gl.atomic_xchg(TILE_COUNTER, 0, sem="relaxed")
+            t = gl.num_programs(0) + taken
         _sm90_give_tile(tile_smem, tile_ready, tile_empty, -1, done)
     elif PERSISTENT:
         it = 0
@@ -1541,7 +1587,12 @@ def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_sme
             # Taken once this tile's loads are issued: the consumers are a tile behind, so they do
             # not wait for the atomic's round trip. Relaxed: the count orders nothing else (the
             # default acq_rel fences the loader's memory traffic at each take).
-            t = gl.num_programs(0) + gl.atomic_add(TILE_COUNTER, 1, sem="relaxed")
+            taken = gl.atomic_add(TILE_COUNTER, 1, sem="relaxed")
+            # A launch takes `tiles` times (each program's last take finds no tile): the last one
+            # leaves the counter zero for the next launch (_stream_counters keeps it across calls).
+            if taken == tiles - 1:
+                gl.atomic_xchg(TILE_COUNTER, 0, sem="relaxed")
+            t = gl.num_programs(0) + taken
         _sm90_give_tile(tile_smem, tile_ready, tile_empty, -1, done)
     elif PERSISTENT:
         it = 0
@@ -1894,7 +1945,12 @@ def _sm90_dq_loader(q_desc, k_desc, v_desc, o_desc, do_desc, q_smem, o_smem, do_
             # Taken once this tile's loads are issued: the consumers are a tile behind, so they do
             # not wait for the atomic's round trip. Relaxed: the count orders nothing else (the
             # default acq_rel fences the loader's memory traffic at each take).
-            t = gl.num_programs(0) + gl.atomic_add(TILE_COUNTER, 1, sem="relaxed")
+            taken = gl.atomic_add(TILE_COUNTER, 1, sem="relaxed")
+            # A launch takes `tiles` times (each program's last take finds no tile): the last one
+            # leaves the counter zero for the next launch (_stream_counters keeps it across calls).
+            if taken == tiles - 1:
+                gl.atomic_xchg(TILE_COUNTER, 0, sem="relaxed")
+            t = gl.num_programs(0) + taken
         _sm90_give_tile(tile_smem, tile_ready, tile_empty, -1, done)
     elif PERSISTENT:
         it = 0
@@ -2236,6 +2292,7 @@ def _output_like(q):
     return q.new_empty((batch, heads, q_len, HEAD_DIM_V), dtype=DTYPE)
 
 
+@_on_their_device
 def _forward(q, k, v, scale, params, descale=None):
     """(out, lse) for q [B, H, Lq, D], k, v [B, H_kv, Lk, D]; lse float32 [B, H, Lq]. With descale
     (attention_fp8): q, k, v in FP8, on the Hopper kernel."""
@@ -2289,9 +2346,9 @@ def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
 def _sm90_programs(tiles, device):
     """A Hopper kernel's grid, and the counter its dynamic walk takes tiles from: a program per SM
     when persistent (one fits an SM), else a program per tile. Each program's first tile is its own;
-    the counter hands out the rest (zeroed per call: launches on other streams must not share it)."""
+    the counter hands out the rest."""
     programs = min(tiles, _sm_count(device)) if SM90_PERSISTENT else tiles
-    return programs, torch.zeros(1, dtype=torch.int32, device=device) if SM90_PERSISTENT and SM90_DYNAMIC else None
+    return programs, _stream_counters(device, 1) if SM90_PERSISTENT and SM90_DYNAMIC else None
 
 
 def _sm90_section(units, load_bytes, units_per_load=1):
@@ -2383,6 +2440,7 @@ def _dlse_rows(dlse):
     return None if dlse is None else dlse.float().contiguous()
 
 
+@_on_their_device
 def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     """(dq, dk, dv) given the gradients of out and lse (FlashAttention-2: P recomputed from lse;
     dlse None: lse unused)."""
