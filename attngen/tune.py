@@ -118,6 +118,7 @@ def tune(
             names = ", ".join(w.spec.name for w in targets)
             log(f"{dtype} head_dim={head_dim} on {gpu}: {names} at seq {', '.join(map(str, seqs))}")
             config = TritonConfig(**default_config(head_dim, dtype))
+            tuned = {}
             for kernel in TUNED_KERNELS:
                 if kernel.capabilities and capability not in kernel.capabilities:
                     log(
@@ -137,8 +138,11 @@ def tune(
                 }
                 best = tuner.search(targets, dataclasses.replace(config, **hopper), kernel, search_space(kernel, quick))
                 config = dataclasses.replace(config, **best.config(kernel))
-            entries.append(TunedEntry(gpu, head_dim, dtype, dataclasses.asdict(config)))
-            log(f"  winner: {dataclasses.asdict(config)}")
+                tuned.update(best.config(kernel))
+            # The searched fields over the table's: the rest (switches, lengths, what the backend
+            # derives per head dim, as FP8's ring depth) keep the backend's defaults.
+            entries.append(TunedEntry(gpu, head_dim, dtype, {**default_config(head_dim, dtype), **tuned}))
+            log(f"  winner: {tuned}")
     return entries
 
 

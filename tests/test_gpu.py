@@ -188,6 +188,22 @@ def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim,
             module.attention(q[:, :, :300], k[:, :, :300], v[:, :, :300])
 
 
+@pytest.mark.parametrize("head_dim, block_n", [(64, 64), (64, 128), (128, 128)])
+def test_the_hopper_dq_kernel_of_64_queries_where_ds_has_its_own_buffers(head_dim, block_n):
+    """The Hopper dQ kernel's 64-query blocks (both consumers hold the queries and split dQ's
+    columns) at head dims whose O tile cannot hold dS's exchange buffers: they get their own shared
+    memory (they overran O's, a wrong dQ at 64 keys a step and an illegal address at 128)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    spec = retarget(load_spec("specs/causal.toml"), head_dim, "bfloat16")
+    spec = with_config(spec, "triton_gpu", sm90_dq_block_m=64, sm90_dq_block_n=block_n)
+    module = harness.load_target(spec, "triton_gpu")
+    assert module.SM90_DQ and module.SM90_DQ_BLOCK_M == 64
+    q, k, v, dout = _inputs(spec, 2, 4, 1000, 1000, seed=head_dim + block_n)
+    out, lse, grads = _out_and_grads(lambda *x: module.attention(*x, return_lse=True), q, k, v, dout)
+    _assert_exact(spec, {}, (q, k, v, dout), out, lse, grads)
+
+
 def _fp8_forward(spec, module, q, k, v, kv_heads, params, per_head=True):
     """attention_fp8 on q, k, v quantized to e4m3 (a descale per batch and kv head, or per tensor),
     with what FlashAttention-3's rule judges it by: ((out, lse, float64 out and lse on the true

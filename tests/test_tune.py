@@ -90,6 +90,26 @@ def test_retarget_keeps_pinned_keys_and_redefaults_the_rest(tmp_path):
     assert small.block_n == default_config(64, "float16")["block_n"]
 
 
+def test_tune_records_the_fields_it_searched_only(monkeypatch):
+    """A tuned entry holds the table's fields and the searched kernels' winners: a field it did not
+    search (a switch, a length, what the backend derives per head dim) keeps the backend's default
+    (recording the whole config pinned FP8's two-stage ring and the Hopper forward at short calls
+    over make_config's choices for heads of 64)."""
+    torch = pytest.importorskip("torch")
+    from attngen import tune as tune_module
+
+    for name, value in (("is_available", True), ("get_device_name", "NVIDIA H200"), ("get_device_capability", (9, 0))):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
+    winner = Candidate(rows=128, step=128, warps=4, stages=3)
+    monkeypatch.setattr(tune_module._Tuner, "search", lambda self, workloads, config, kernel, space: winner)
+    workload = tune_module.Workload(load_spec(SPECS / "causal.toml"), {})
+    (entry,) = tune_module.tune([workload], [64], ["bfloat16"], [4096], quick=True, log=lambda line: None)
+    searched = set().union(*(winner.config(k) for k in tune_module.TUNED_KERNELS))
+    assert set(entry.config) == set(default_config(64, "bfloat16")) | searched
+    assert entry.config["sm90_dq_block_n"] == 128 and "sm90_fp8_num_stages" not in entry.config
+    assert "sm90_forward_min_keys" not in entry.config
+
+
 def test_tune_needs_a_gpu_and_every_param(capsys):
     assert main(["tune", str(SPECS / "sliding_window.toml")]) == 2
     assert "--param window=VALUE" in capsys.readouterr().err

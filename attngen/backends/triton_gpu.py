@@ -457,11 +457,13 @@ SM90_SHARED_BYTES = 227 * 1024
 
 def _sm90_dq_fits(config: dict[str, int], shape: ProblemShape) -> bool:
     """Whether the Hopper dQ kernel's tiles fit sm90's shared memory: Q, dO and O of its queries,
-    and its ring of K/V tiles, all of 16-bit elements (heads of 256 fit at 64 x 64 tiles, not 128 x 64)."""
+    its ring of K/V tiles and, for 64 queries where O's tile cannot hold them, dS's exchange buffers
+    (2 steps x [64, step]), all of 16-bit elements (heads of 256 fit at 64 x 64 tiles, not 128 x 64)."""
     keys = ("sm90_dq_block_m", "sm90_dq_block_n", "sm90_dq_num_stages")
     rows, step, stages = (config.get(key, getattr(TritonConfig, key)) for key in keys)
     d, dv = power_of_two_at_least(shape.head_dim), power_of_two_at_least(shape.head_dim_v)
-    return 2 * (rows * (d + 2 * dv) + stages * step * (d + dv)) <= SM90_SHARED_BYTES
+    ds = 2 * rows * step if rows == 64 and 2 * step > dv else 0
+    return 2 * (rows * (d + 2 * dv) + stages * step * (d + dv) + ds) <= SM90_SHARED_BYTES
 
 
 def _sm90_dkdv_fits(config: dict[str, int], shape: ProblemShape) -> bool:
@@ -551,7 +553,7 @@ class TunedEntry:
     gpu: str
     head_dim: int
     dtype: str
-    config: dict[str, int]  # every TritonConfig field
+    config: dict[str, int]  # TritonConfig fields (the rest: the backend's defaults)
 
 
 def _load_table(path: Path | None = None) -> tuple[str, tuple[TunedEntry, ...]]:

@@ -2064,8 +2064,8 @@ def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ds
 
 
 @gluon.jit
-def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
-                          o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
+def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready,
+                          q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
                           scale, param_slopes, param_slopes_size0, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """This consumer's share of tile t's block of queries, the program's `done`-th, over every kv
@@ -2106,10 +2106,7 @@ def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem
         delta -= gl.load(DLSE + at, mask=offs_m < q_len, other=0.0)
     if HALF == 0 or not COLUMNS:
         gl.store(DELTA + at, delta, mask=offs_m < q_len)
-    # COLUMNS: dS goes through O's buffer once both consumers have read O.
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KEYS], q_smem.dtype)
-    ds_smem = o_smem._reinterpret(q_smem.dtype, [4, ROWS, KEYS], ds_layout)  # 2 steps x 2 halves
-    if COLUMNS:
+    if COLUMNS:  # dS's buffers may be O's (_attention_bwd_dq_sm90): both consumers have read O first
         mbarrier.arrive(o_read, count=1)
         mbarrier.wait(o_read, done & 1)
 
@@ -2145,8 +2142,8 @@ def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem
 
 
 @gluon.jit
-def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, o_read,
-                      ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, q_empty,
+                      o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                       scale, param_slopes, param_slopes_size0, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     """A consumer warpgroup: its half of the queries (or of dQ's columns) of each of this program's tiles."""
@@ -2157,7 +2154,7 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
         while t >= 0:
             it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                       q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
+                                       ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
                                        num_heads, q_len, kv_len, scale, param_slopes, param_slopes_size0, HALF, STAGES, BLOCK_M,
                                        BLOCK_N, HEAD_DIM)
             done += 1
@@ -2167,7 +2164,7 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         done = 0
         for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
             it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                       q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
+                                       ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
                                        num_heads, q_len, kv_len, scale, param_slopes, param_slopes_size0, HALF, STAGES, BLOCK_M,
                                        BLOCK_N, HEAD_DIM)
             done += 1
@@ -2176,7 +2173,7 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         done = 0
         it = gl.to_tensor(0)
         it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                   q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
+                                   ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
                                    num_heads, q_len, kv_len, scale, param_slopes, param_slopes_size0, HALF, STAGES, BLOCK_M,
                                    BLOCK_N, HEAD_DIM)
 
@@ -2198,6 +2195,13 @@ def _attention_bwd_dq_sm90(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [Q_TILES, 1, 1, ROWS, BLOCK_DV], do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+    # 64-query blocks: dS's exchange buffers, 2 steps x 2 halves of [ROWS, BLOCK_N // 2], in O's buffer
+    # where they fit (heads of 256, whose shared memory is otherwise full), else their own.
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N // 2], q_desc.dtype)
+    if Q_TILES == 2 or 2 * BLOCK_N <= BLOCK_DV:  # (unused with 128-query blocks)
+        ds_smem = o_smem._reinterpret(q_desc.dtype, [4, ROWS, BLOCK_N // 2], ds_layout)
+    else:
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BLOCK_N // 2], ds_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     o_read = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # (64-query blocks)
@@ -2218,14 +2222,14 @@ def _attention_bwd_dq_sm90(
         [
             (
                 _sm90_dq_consumer,
-                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, o_read,
-                 ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, q_empty,
+                 o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                  scale, param_slopes, param_slopes_size0, 0, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dq_consumer,
-                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, o_read,
-                 ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, q_empty,
+                 o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                  scale, param_slopes, param_slopes_size0, 1, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (

@@ -9,7 +9,7 @@ dtype: bfloat16, head_dim: 64
 tiles: 128 queries x 64 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.sinks_dea8b4f28f4d_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.sinks_3d8e37e475e7_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -120,7 +120,7 @@ SM90_FORWARD = 1
 SM90_BLOCK_M = 128
 SM90_BLOCK_N = 128
 SM90_NUM_WARPS = 4
-SM90_NUM_STAGES = 2
+SM90_NUM_STAGES = 3
 # Forward on Hopper in FP8 (attention_fp8): e4m3 q, k, v^T with descale factors, SM90_FP8_BLOCK_M queries per program, SM90_FP8_BLOCK_N keys per step.
 SM90_FP8 = 1
 SM90_FP8_BLOCK_M = 128
@@ -136,9 +136,9 @@ SM90_DKDV_NUM_STAGES = 2
 # Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program (128: half per consumer warpgroup; 64: all for both, which split the columns), SM90_DQ_BLOCK_N keys per step.
 SM90_DQ = 1
 SM90_DQ_BLOCK_M = 128
-SM90_DQ_BLOCK_N = 64
+SM90_DQ_BLOCK_N = 128
 SM90_DQ_NUM_WARPS = 4
-SM90_DQ_NUM_STAGES = 2
+SM90_DQ_NUM_STAGES = 3
 # The Triton kernels' tiles on NVIDIA GPUs without TMA (sm80, sm89), where mma.sync holds its operands
 # in registers and the tiles above spill: at most 64 rows over 8 warps, dK/dV steps of 16 queries (no
 # spill on sm80 for any spec in specs/; not timed). (block_m, block_n, num_warps, num_stages) by prefix.
@@ -2081,8 +2081,8 @@ def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ds
 
 
 @gluon.jit
-def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
-                          o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
+def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready,
+                          q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
                           scale, param_sinks, param_sinks_size0, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """This consumer's share of tile t's block of queries, the program's `done`-th, over every kv
@@ -2122,10 +2122,7 @@ def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem
         delta -= gl.load(DLSE + at, mask=offs_m < q_len, other=0.0)
     if HALF == 0 or not COLUMNS:
         gl.store(DELTA + at, delta, mask=offs_m < q_len)
-    # COLUMNS: dS goes through O's buffer once both consumers have read O.
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KEYS], q_smem.dtype)
-    ds_smem = o_smem._reinterpret(q_smem.dtype, [4, ROWS, KEYS], ds_layout)  # 2 steps x 2 halves
-    if COLUMNS:
+    if COLUMNS:  # dS's buffers may be O's (_attention_bwd_dq_sm90): both consumers have read O first
         mbarrier.arrive(o_read, count=1)
         mbarrier.wait(o_read, done & 1)
 
@@ -2161,8 +2158,8 @@ def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem
 
 
 @gluon.jit
-def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, o_read,
-                      ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, q_empty,
+                      o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                       scale, param_sinks, param_sinks_size0, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     """A consumer warpgroup: its half of the queries (or of dQ's columns) of each of this program's tiles."""
@@ -2173,7 +2170,7 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
         while t >= 0:
             it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                       q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
+                                       ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
                                        num_heads, q_len, kv_len, scale, param_sinks, param_sinks_size0, HALF, STAGES, BLOCK_M,
                                        BLOCK_N, HEAD_DIM)
             done += 1
@@ -2183,7 +2180,7 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         done = 0
         for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
             it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                       q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
+                                       ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
                                        num_heads, q_len, kv_len, scale, param_sinks, param_sinks_size0, HALF, STAGES, BLOCK_M,
                                        BLOCK_N, HEAD_DIM)
             done += 1
@@ -2192,7 +2189,7 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         done = 0
         it = gl.to_tensor(0)
         it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                   q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
+                                   ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
                                    num_heads, q_len, kv_len, scale, param_sinks, param_sinks_size0, HALF, STAGES, BLOCK_M,
                                    BLOCK_N, HEAD_DIM)
 
@@ -2214,6 +2211,13 @@ def _attention_bwd_dq_sm90(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [Q_TILES, 1, 1, ROWS, BLOCK_DV], do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+    # 64-query blocks: dS's exchange buffers, 2 steps x 2 halves of [ROWS, BLOCK_N // 2], in O's buffer
+    # where they fit (heads of 256, whose shared memory is otherwise full), else their own.
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N // 2], q_desc.dtype)
+    if Q_TILES == 2 or 2 * BLOCK_N <= BLOCK_DV:  # (unused with 128-query blocks)
+        ds_smem = o_smem._reinterpret(q_desc.dtype, [4, ROWS, BLOCK_N // 2], ds_layout)
+    else:
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BLOCK_N // 2], ds_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     o_read = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # (64-query blocks)
@@ -2234,14 +2238,14 @@ def _attention_bwd_dq_sm90(
         [
             (
                 _sm90_dq_consumer,
-                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, o_read,
-                 ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, q_empty,
+                 o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                  scale, param_sinks, param_sinks_size0, 0, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dq_consumer,
-                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, q_ready, q_empty, o_read,
-                 ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, q_empty,
+                 o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
                  scale, param_sinks, param_sinks_size0, 1, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (
@@ -2659,7 +2663,7 @@ def _kernel_params(params):
 # torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "sinks_dea8b4f28f4d"
+_OP = "sinks_3d8e37e475e7"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -2693,7 +2697,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
     def _autograd_backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         train = _trains(ctx.needs_input_grad)
-        dq, dk, dv, *trained = torch.ops.attngen.sinks_dea8b4f28f4d_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
+        dq, dk, dv, *trained = torch.ops.attngen.sinks_3d8e37e475e7_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, train, *ctx.params)
         return dq, dk, dv, None, *_param_grads(ctx.params, trained, train)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -2751,7 +2755,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
         scale = 1.0 / math.sqrt(HEAD_DIM)
     scale, params = float(scale), [*scalars.values(), *tensors.values()]
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        out, lse = torch.ops.attngen.sinks_dea8b4f28f4d_fwd(q, k, v, scale, *params)
+        out, lse = torch.ops.attngen.sinks_3d8e37e475e7_fwd(q, k, v, scale, *params)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
         out, lse = _Attention.apply(q, k, v, scale, *params)  # eager: cheaper than the custom op's dispatch
     else:  # no gradient wanted (inference): the kernels without autograd's bookkeeping
