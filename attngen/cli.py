@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     tune_cmd.add_argument("--param", action="append", help="a value for a spec param: NAME=VALUE")
     tune_cmd.add_argument("--quick", action="store_true", help="6 candidates per kernel instead of 36")
+    tune_cmd.add_argument(
+        "--kernel", action="append", help="tune only this kernel (repeat; e.g. bwd_dq_sm90; default: all)"
+    )
     tune_cmd.add_argument("--dry-run", action="store_true", help="print the winners; leave the tuned table as it is")
     explain_cmd = commands.add_parser(
         "explain",

@@ -101,8 +101,15 @@ def tune(
     seqs: list[int],
     quick: bool = False,
     log: Callable[[str], None] = print,
+    kernels: tuple[str, ...] = (),
 ) -> list[TunedEntry]:
-    """The fastest exact configuration per (head_dim, dtype) on this GPU; see the module doc."""
+    """The fastest exact configuration per (head_dim, dtype) on this GPU; see the module doc.
+    `kernels` (names) limits the search to those; the others keep the table's configuration."""
+    unknown = set(kernels) - {k.name for k in TUNED_KERNELS}
+    if unknown:
+        raise AttngenError(
+            f"no tuned kernel named {', '.join(sorted(unknown))}; they are: {', '.join(k.name for k in TUNED_KERNELS)}"
+        )
     import torch
 
     if not torch.cuda.is_available():
@@ -119,7 +126,7 @@ def tune(
             log(f"{dtype} head_dim={head_dim} on {gpu}: {names} at seq {', '.join(map(str, seqs))}")
             config = TritonConfig(**default_config(head_dim, dtype))
             tuned = {}
-            for kernel in TUNED_KERNELS:
+            for kernel in (k for k in TUNED_KERNELS if not kernels or k.name in kernels):
                 if kernel.capabilities and capability not in kernel.capabilities:
                     log(
                         f"  {kernel.name}: built for compute capability {'/'.join(map(str, kernel.capabilities))}; kept"
@@ -280,7 +287,8 @@ def main_tune(specs: list[Spec], args) -> int:
     start = time.monotonic()
     head_dims = args.head_dim or sorted({s.head_dim for s in specs})
     dtypes = args.dtype or sorted({s.dtype for s in specs})
-    entries = tune(workloads, head_dims, dtypes, args.seq or [1024, 4096, 16384], args.quick)
+    seqs = args.seq or [1024, 4096, 16384]
+    entries = tune(workloads, head_dims, dtypes, seqs, args.quick, kernels=tuple(args.kernel or ()))
     if args.dry_run:
         print(f"tuned in {time.monotonic() - start:.0f} s (dry run: {TUNED_TABLE} unchanged)")
     else:

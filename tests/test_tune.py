@@ -108,6 +108,9 @@ def test_tune_records_the_fields_it_searched_only(monkeypatch):
     assert set(entry.config) == set(default_config(64, "bfloat16")) | searched
     assert entry.config["sm90_dq_block_n"] == 128 and "sm90_fp8_num_stages" not in entry.config
     assert "sm90_forward_min_keys" not in entry.config
+    # --kernel: that kernel's fields change, the rest are the table's
+    (entry,) = tune_module.tune([workload], [128], ["bfloat16"], [4096], log=lambda line: None, kernels=("fwd",))
+    assert entry.config == {**default_config(128, "bfloat16"), **winner.config(TRITON_GPU.kernel("fwd"))}
 
 
 def test_tune_needs_a_gpu_and_every_param(capsys):
@@ -120,6 +123,8 @@ def test_tune_needs_a_gpu_and_every_param(capsys):
     pytest.importorskip("torch")
     import torch
 
+    assert main(["tune", str(SPECS / "causal.toml"), "--kernel", "bwd_dq_sm9"]) == 2
+    assert "no tuned kernel named bwd_dq_sm9; they are: fwd, " in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(["tune", str(SPECS / "causal.toml"), "--quick"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
