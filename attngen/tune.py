@@ -7,8 +7,11 @@ reads for specs that do not pin their [triton] keys (attngen/backends/triton_tun
 
 Goals: every candidate is checked against the float64 reference on fresh inputs before it is
 timed; a candidate that does not compile (too much shared memory) or is not exact is reported and
-skipped. A candidate's score is the geometric mean of its times over every spec and sequence
-length, so that no single shape decides (tuning on one length picks tiles that lose on others).
+skipped, and one whose kernel faults (an illegal address, which no later launch of the process
+survives) ends the run, saying what was found and how to go on; each (head_dim, dtype) entry is
+recorded as soon as it is found. A candidate's score is the geometric mean of its times over every
+spec and sequence length, so that no single shape decides (tuning on one length picks tiles that
+lose on others). --kernel limits the search to the kernels named.
 The three kernels are tuned one after the other (forward alone; dQ with the table's dK/dV; dK/dV
 with the best dQ), which keeps the search linear in the size of each space.
 On a Hopper GPU the Gluon kernels are searched too (their tile height is fixed by wgmma: the
@@ -25,7 +28,7 @@ import itertools
 import math
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from attngen.analysis.tiles import BY_KEY_BLOCK
@@ -102,9 +105,10 @@ def tune(
     quick: bool = False,
     log: Callable[[str], None] = print,
     kernels: tuple[str, ...] = (),
-) -> list[TunedEntry]:
-    """The fastest exact configuration per (head_dim, dtype) on this GPU; see the module doc.
-    `kernels` (names) limits the search to those; the others keep the table's configuration."""
+) -> Iterator[TunedEntry]:
+    """The fastest exact configuration per (head_dim, dtype) on this GPU, each as soon as it is
+    found; see the module doc. `kernels` (names) limits the search to those; the others keep the
+    table's configuration."""
     unknown = set(kernels) - {k.name for k in TUNED_KERNELS}
     if unknown:
         raise AttngenError(
@@ -117,7 +121,6 @@ def tune(
     gpu = torch.cuda.get_device_name()
     major, minor = torch.cuda.get_device_capability()
     capability = 10 * major + minor
-    entries = []
     with tempfile.TemporaryDirectory(prefix="attngen-tune-") as scratch:
         tuner = _Tuner(Path(scratch), seqs, log)
         for head_dim, dtype in itertools.product(head_dims, dtypes):
@@ -143,18 +146,29 @@ def tune(
                 hopper = {
                     switch: getattr(config, switch) if kernel.language == "gluon" else 0 for switch in HOPPER_SWITCHES
                 }
-                best = tuner.search(targets, dataclasses.replace(config, **hopper), kernel, search_space(kernel, quick))
+                try:
+                    best = tuner.search(
+                        targets, dataclasses.replace(config, **hopper), kernel, search_space(kernel, quick)
+                    )
+                except _GpuFault as e:
+                    raise AttngenError(
+                        f"{e}: no kernel can run in this process any more. Found so far at head_dim={head_dim}, "
+                        f"{dtype}: {tuned or 'nothing'}; tune {kernel.name} and the kernels after it again with --kernel"
+                    ) from e
                 config = dataclasses.replace(config, **best.config(kernel))
                 tuned.update(best.config(kernel))
             # The searched fields over the table's: the rest (switches, lengths, what the backend
             # derives per head dim, as FP8's ring depth) keep the backend's defaults.
-            entries.append(TunedEntry(gpu, head_dim, dtype, {**default_config(head_dim, dtype), **tuned}))
             log(f"  winner: {tuned}")
-    return entries
+            yield TunedEntry(gpu, head_dim, dtype, {**default_config(head_dim, dtype), **tuned})
 
 
 class Rejected(Exception):
     """A candidate that cannot run here or is not exact."""
+
+
+class _GpuFault(Exception):
+    """A candidate whose kernel faulted (an illegal address): the CUDA context is lost for the process."""
 
 
 class _Tuner:
@@ -181,6 +195,7 @@ class _Tuner:
                 ]
             except Rejected as e:
                 self.log(f"  [{kernel.name} {i}/{len(space)}] {label}: skipped ({e})")
+                _check_gpu_usable(f"{kernel.name} {label}")
                 continue
             scores[candidate] = math.exp(sum(map(math.log, times)) / len(times))
             shown = " ".join(f"{ms:.3f}" for ms in times)
@@ -206,8 +221,8 @@ class _Tuner:
         config = w.spec.config("triton_gpu")
         # Checked at a length the candidate's kernel serves (the short forward or the long one).
         seq = {"fwd": config.short_kv_len + 512, "fwd_short": min(512, config.short_kv_len)}.get(kernel.name, 512)
-        check_exact(module, w, seq)
         try:
+            check_exact(module, w, seq)
             return [_time_pass(module, w, kernel.name, seq) for seq in self.lengths(kernel, config)]
         except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
             raise Rejected(str(e).strip().splitlines()[0][:120]) from e
@@ -217,6 +232,17 @@ class _Tuner:
         out = self.scratch / str(self.count)
         write_package(spec, out)
         return import_generated(out / spec.name / "triton_gpu.py", f"_attngen_tune_{spec.name}_{self.count}")
+
+
+def _check_gpu_usable(candidate: str) -> None:
+    """Raise _GpuFault if the rejected candidate's kernel left the CUDA context unusable (an illegal
+    address is sticky: every later launch of the process fails), rather than fail each candidate after it."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:  # torch.AcceleratorError
+        raise _GpuFault(f"{candidate} faulted ({str(e).strip().splitlines()[0][:120]})") from e
 
 
 def _time_pass(module, w: Workload, kernel: str, seq: int) -> float:
@@ -288,12 +314,15 @@ def main_tune(specs: list[Spec], args) -> int:
     head_dims = args.head_dim or sorted({s.head_dim for s in specs})
     dtypes = args.dtype or sorted({s.dtype for s in specs})
     seqs = args.seq or [1024, 4096, 16384]
-    entries = tune(workloads, head_dims, dtypes, seqs, args.quick, kernels=tuple(args.kernel or ()))
+    recorded = 0
+    for entry in tune(workloads, head_dims, dtypes, seqs, args.quick, kernels=tuple(args.kernel or ())):
+        if not args.dry_run:  # each as it is found: a later failure loses none
+            write_tuned_table([entry])
+            recorded += 1
     if args.dry_run:
         print(f"tuned in {time.monotonic() - start:.0f} s (dry run: {TUNED_TABLE} unchanged)")
     else:
-        write_tuned_table(entries)
-        print(f"tuned in {time.monotonic() - start:.0f} s; recorded {len(entries)} entries in {TUNED_TABLE}")
+        print(f"tuned in {time.monotonic() - start:.0f} s; recorded {recorded} entries in {TUNED_TABLE}")
     return 0
 
 

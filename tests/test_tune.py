@@ -113,6 +113,42 @@ def test_tune_records_the_fields_it_searched_only(monkeypatch):
     assert entry.config == {**default_config(128, "bfloat16"), **winner.config(TRITON_GPU.kernel("fwd"))}
 
 
+def test_a_candidate_that_faults_the_gpu_ends_the_tune_clearly_and_loses_no_entry(tmp_path, monkeypatch, capsys):
+    """A candidate's illegal address leaves the CUDA context unusable: the tune stops at it with
+    what it found and how to go on, and the entries found before it are in the table already."""
+    torch = pytest.importorskip("torch")
+    from attngen import tune as tune_module
+
+    table = tmp_path / "tuned.toml"
+    table.write_text(triton_gpu.TUNED_TABLE.read_text())
+    monkeypatch.setattr(triton_gpu, "TUNED_TABLE", table)
+    for name, value in (("is_available", True), ("get_device_name", "NVIDIA H200"), ("get_device_capability", (9, 0))):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
+    faulted = []
+
+    def measure(self, w, kernel):
+        if w.spec.head_dim == 128 and kernel.name == "bwd_dq":
+            faulted.append(True)
+            raise tune_module.Rejected("Triton Error [CUDA]: an illegal memory access was encountered")
+        return [1.0 if w.spec.config("triton_gpu").num_stages == 3 else 2.0]
+
+    def synchronize(*args):
+        if faulted:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(tune_module._Tuner, "_measure", measure)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    before = default_config(128, "bfloat16")
+    args = ["tune", str(SPECS / "causal.toml"), "--head-dim", "64", "--head-dim", "128", "--kernel", "fwd"]
+    assert main([*args, "--kernel", "bwd_dq"]) == 2
+    err = capsys.readouterr().err
+    assert "bwd_dq dq_block_m=64 dq_block_n=32 dq_num_warps=4 dq_num_stages=2 faulted (CUDA error: an illegal" in err
+    assert "Found so far at head_dim=128, bfloat16: {'block_m': 64, 'block_n': 32, 'num_warps': 4, 'num_stages': 3}" in err
+    assert "tune bwd_dq and the kernels after it again with --kernel" in err
+    # head_dim 64's entry was recorded before the fault (its winner: the first 3-stage forward); 128's is as it was
+    assert default_config(64, "bfloat16")["block_n"] == 32 and default_config(128, "bfloat16") == before
+
+
 def test_tune_needs_a_gpu_and_every_param(capsys):
     assert main(["tune", str(SPECS / "sliding_window.toml")]) == 2
     assert "--param window=VALUE" in capsys.readouterr().err
