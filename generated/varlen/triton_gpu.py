@@ -2055,8 +2055,8 @@ def _sm90_dq_consume_run(dq, it, q_tile, do_tile, lse, delta, k_smem, v_smem, ds
 
 @gluon.jit
 def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready,
-                          q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
-                          scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                          q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads, num_heads,
+                          q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """This consumer's share of tile t's block of queries, the program's `done`-th, over every kv
     block they see: queries [HALF * ROWS, (HALF + 1) * ROWS), or (COLUMNS: one Q tile for both
@@ -2128,8 +2128,8 @@ def _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem
 
 @gluon.jit
 def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, q_empty,
-                      o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
-                      scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                      o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads,
+                      num_heads, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     """A consumer warpgroup: its half of the queries (or of dQ's columns) of each of this program's tiles."""
     gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
@@ -2139,9 +2139,9 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
         while t >= 0:
             it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                       ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
-                                       num_heads, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, HALF, STAGES, BLOCK_M,
-                                       BLOCK_N, HEAD_DIM)
+                                       ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it,
+                                       batch_heads, section_heads, num_heads, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h,
+                                       HALF, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM)
             done += 1
             t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
     elif PERSISTENT:
@@ -2149,18 +2149,18 @@ def _sm90_dq_consumer(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_
         done = 0
         for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
             it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                       ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
-                                       num_heads, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, HALF, STAGES, BLOCK_M,
-                                       BLOCK_N, HEAD_DIM)
+                                       ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it,
+                                       batch_heads, section_heads, num_heads, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h,
+                                       HALF, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM)
             done += 1
     else:  # a program per tile (`it` as a tensor: the loops carry it)
         t = gl.program_id(0)
         done = 0
         it = gl.to_tensor(0)
         it = _sm90_dq_consume_tile(dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem,
-                                   ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it, batch_heads, section_heads,
-                                   num_heads, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, HALF, STAGES, BLOCK_M,
-                                   BLOCK_N, HEAD_DIM)
+                                   ds_smem, q_ready, q_empty, o_read, ds_ready, ready, empty, t, done, it,
+                                   batch_heads, section_heads, num_heads, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h,
+                                   HALF, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM)
 
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "tables_stride_b", "tables_stride_h"])
@@ -2211,14 +2211,14 @@ def _attention_bwd_dq_sm90(
             (
                 _sm90_dq_consumer,
                 (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, q_empty,
-                 o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
-                 scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, 0, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
+                 o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads,
+                 num_heads, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, 0, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dq_consumer,
                 (dq_desc, DQ, LSE, DLSE, DELTA, q_smem, o_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, q_empty,
-                 o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
-                 scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, 1, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
+                 o_read, ds_ready, ready, empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads,
+                 num_heads, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, 1, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dq_loader,
