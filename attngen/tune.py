@@ -11,7 +11,8 @@ skipped, and one whose kernel faults (an illegal address, which no later launch 
 survives) ends the run, saying what was found and how to go on; each (head_dim, dtype) entry is
 recorded as soon as it is found. A candidate's score is the geometric mean of its times over every
 spec and sequence length, so that no single shape decides (tuning on one length picks tiles that
-lose on others). --kernel limits the search to the kernels named.
+lose on others); the table's own configuration is always among the candidates, so that a recorded
+winner has beaten it. --kernel limits the search to the kernels named.
 The three kernels are tuned one after the other (forward alone; dQ with the table's dK/dV; dK/dV
 with the best dQ), which keeps the search linear in the size of each space.
 On a Hopper GPU the Gluon kernels are searched too (their tile height is fixed by wgmma: the
@@ -69,6 +70,13 @@ class Candidate:
         prefix = kernel.tiles  # "", short_, dq_, dkdv_
         return {f"{prefix}block_m": m, f"{prefix}block_n": n, f"{prefix}num_warps": self.warps,
                 f"{prefix}num_stages": self.stages}  # fmt: skip
+
+    @staticmethod
+    def of(kernel: Kernel, config: TritonConfig) -> Candidate:
+        """The candidate `config` holds for `kernel` (Candidate.config's inverse)."""
+        keys = ("block_m", "block_n", "num_warps", "num_stages")
+        m, n, warps, stages = (getattr(config, f"{kernel.tiles}{key}") for key in keys)
+        return Candidate(n, m, warps, stages) if kernel.walks is BY_KEY_BLOCK else Candidate(m, n, warps, stages)
 
 
 _SPACE = [Candidate(*c) for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
@@ -146,14 +154,16 @@ def tune(
                 hopper = {
                     switch: getattr(config, switch) if kernel.language == "gluon" else 0 for switch in HOPPER_SWITCHES
                 }
+                # The table's candidate is always timed, so that a winner has beaten it (--quick's
+                # space may not hold it).
+                space = list(dict.fromkeys([Candidate.of(kernel, config), *search_space(kernel, quick)]))
                 try:
-                    best = tuner.search(
-                        targets, dataclasses.replace(config, **hopper), kernel, search_space(kernel, quick)
-                    )
+                    best = tuner.search(targets, dataclasses.replace(config, **hopper), kernel, space)
                 except _GpuFault as e:
                     raise AttngenError(
                         f"{e}: no kernel can run in this process any more. Found so far at head_dim={head_dim}, "
-                        f"{dtype}: {tuned or 'nothing'}; tune {kernel.name} and the kernels after it again with --kernel"
+                        f"{dtype}: {tuned or 'nothing'}; tune {kernel.name} and the kernels after it again with "
+                        "--kernel"
                     ) from e
                 config = dataclasses.replace(config, **best.config(kernel))
                 tuned.update(best.config(kernel))

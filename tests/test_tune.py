@@ -55,6 +55,32 @@ def test_the_hopper_kernels_search_what_the_backend_leaves_free(name):
         TRITON_GPU.make_config(candidate.config(kernel), ProblemShape(128, 128, "bfloat16"), refuse)
 
 
+def test_the_tables_candidate_is_always_timed(monkeypatch):
+    """--quick's 6 forward candidates lack the D = 64 entry's forward (128 x 64 over 4 warps): it is
+    timed first anyway, so a recorded winner has beaten what the table held."""
+    torch = pytest.importorskip("torch")
+    from attngen import tune as tune_module
+
+    for name, value in (("is_available", True), ("get_device_name", "NVIDIA H200"), ("get_device_capability", (8, 0))):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
+    spaces = {}
+
+    def search(self, workloads, config, kernel, space):
+        spaces[kernel.name] = space
+        return space[-1]
+
+    monkeypatch.setattr(tune_module._Tuner, "search", search)
+    workload = tune_module.Workload(load_spec(SPECS / "causal.toml"), {})
+    list(tune_module.tune([workload], [64], ["bfloat16"], [4096], quick=True, log=lambda line: None))
+    table = TritonConfig(**default_config(64, "bfloat16"))
+    assert Candidate(128, 64, 4, 3) not in search_space(TRITON_GPU.kernel("fwd"), quick=True)
+    assert spaces["fwd"][0] == Candidate.of(TRITON_GPU.kernel("fwd"), table) == Candidate(128, 64, 4, 3)
+    assert len(spaces["fwd"]) == 7
+    dkdv = TRITON_GPU.kernel("bwd_dkdv")  # holds keys (block_n), steps over queries (block_m)
+    held = Candidate.of(dkdv, table).config(dkdv)
+    assert held == {key: getattr(table, key) for key in held}
+
+
 def test_every_spec_dtype_and_head_dim_has_a_default():
     for dtype in ("bfloat16", "float16", "float32"):
         for head_dim in (16, 40, 64, 80, 96, 128, 160, 256):
@@ -130,7 +156,7 @@ def test_a_candidate_that_faults_the_gpu_ends_the_tune_clearly_and_loses_no_entr
         if w.spec.head_dim == 128 and kernel.name == "bwd_dq":
             faulted.append(True)
             raise tune_module.Rejected("Triton Error [CUDA]: an illegal memory access was encountered")
-        return [1.0 if w.spec.config("triton_gpu").num_stages == 3 else 2.0]
+        return [1.0 if w.spec.config("triton_gpu").num_stages == 2 else 2.0]
 
     def synchronize(*args):
         if faulted:
@@ -142,10 +168,12 @@ def test_a_candidate_that_faults_the_gpu_ends_the_tune_clearly_and_loses_no_entr
     args = ["tune", str(SPECS / "causal.toml"), "--head-dim", "64", "--head-dim", "128", "--kernel", "fwd"]
     assert main([*args, "--kernel", "bwd_dq"]) == 2
     err = capsys.readouterr().err
-    assert "bwd_dq dq_block_m=64 dq_block_n=32 dq_num_warps=4 dq_num_stages=2 faulted (CUDA error: an illegal" in err
-    assert "Found so far at head_dim=128, bfloat16: {'block_m': 64, 'block_n': 32, 'num_warps': 4, 'num_stages': 3}" in err
+    # (the table's candidate comes first: dQ's at head_dim 128)
+    assert "bwd_dq dq_block_m=128 dq_block_n=64 dq_num_warps=8 dq_num_stages=3 faulted (CUDA error: an illegal" in err
+    found = "{'block_m': 64, 'block_n': 32, 'num_warps': 4, 'num_stages': 2}"
+    assert f"Found so far at head_dim=128, bfloat16: {found}" in err
     assert "tune bwd_dq and the kernels after it again with --kernel" in err
-    # head_dim 64's entry was recorded before the fault (its winner: the first 3-stage forward); 128's is as it was
+    # head_dim 64's entry was recorded before the fault (its winner: the first 2-stage forward); 128's is as it was
     assert default_config(64, "bfloat16")["block_n"] == 32 and default_config(128, "bfloat16") == before
 
 
