@@ -135,7 +135,8 @@ def tune(
             targets = [Workload(retarget(w.spec, head_dim, dtype), w.params) for w in workloads]
             names = ", ".join(w.spec.name for w in targets)
             log(f"{dtype} head_dim={head_dim} on {gpu}: {names} at seq {', '.join(map(str, seqs))}")
-            config = TritonConfig(**default_config(head_dim, dtype))
+            table = default_config(head_dim, dtype)
+            config = TritonConfig(**table)
             tuned = {}
             for kernel in (k for k in TUNED_KERNELS if not kernels or k.name in kernels):
                 if kernel.capabilities and capability not in kernel.capabilities:
@@ -170,7 +171,7 @@ def tune(
             # The searched fields over the table's: the rest (switches, lengths, what the backend
             # derives per head dim, as FP8's ring depth) keep the backend's defaults.
             log(f"  winner: {tuned}")
-            yield TunedEntry(gpu, head_dim, dtype, {**default_config(head_dim, dtype), **tuned})
+            yield TunedEntry(gpu, head_dim, dtype, {**table, **tuned})
 
 
 class Rejected(Exception):
