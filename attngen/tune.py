@@ -82,7 +82,9 @@ class Candidate:
 _SPACE = [Candidate(*c) for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
 # The Gluon kernels: two consumer warpgroups of one warpgroup each over 128 rows, 64 each (validated
 # by the backend), or in the backward also over 64 rows, all for both (each half of the gradient's
-# columns); the block they step over and their ring's depth are free.
+# columns); the block they step over and their ring's depth are free. (The forward's three consumers
+# over 192 rows serve plain attention only, which the table, by head_dim and dtype, cannot say:
+# make_config chooses them.)
 _HOPPER_SPACE = [Candidate(rows, step, 4, stages) for rows in (64, 128) for step in (64, 128) for stages in (2, 3)]
 
 

@@ -73,7 +73,7 @@ def test_attention_fp8_refuses_what_it_cannot_run():
 @pytest.mark.parametrize(
     ("table", "problem"),
     [
-        ('dtype = "bfloat16"\n[triton]\nsm90_fp8_block_m = 64', "sm90_fp8_block_m must be 128"),
+        ('dtype = "bfloat16"\n[triton]\nsm90_fp8_block_m = 64', "sm90_fp8_block_m must be 128 or 192"),
         ('dtype = "bfloat16"\n[triton]\nsm90_fp8_num_warps = 8', "sm90_fp8_num_warps must be 4"),
         ('dtype = "float32"\n[triton]\nsm90_fp8 = 1', "FP8 writes its output in the spec's dtype"),
     ],

@@ -17,11 +17,13 @@ import json, re, sys
 from pathlib import Path
 from attngen.backends.triton_gpu import TRITON_GPU
 from attngen.build import import_generated
-from attngen.check.gpu import compile_kernel
+from attngen.check.gpu import _resource_usage, compile_kernel
 module = import_generated(Path(sys.argv[1]), "_attngen_sm90_structure")
 walk = json.loads(sys.argv[4])  # PERSISTENT and DYNAMIC, where not the module's
-ptx = compile_kernel(module, TRITON_GPU.kernel(sys.argv[3]), sys.argv[2], 90, **walk).asm["ptx"]
+compiled = compile_kernel(module, TRITON_GPU.kernel(sys.argv[3]), sys.argv[2], 90, **walk)
+ptx = compiled.asm["ptx"]
 print(json.dumps({
+    "stack_bytes": _resource_usage(compiled.asm["cubin"])["stack_bytes"],  # ptxas's spills
     "wgmma": ptx.count("wgmma.mma_async"),
     "waits": sorted(set(re.findall(r"wgmma.wait_group.sync.aligned\\s+(\\d+)", ptx))),
     "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global"),
@@ -63,6 +65,21 @@ def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk, head_d
     assert ptx["atomics"] == (2 if dynamic else 0)
 
 
+@pytest.mark.parametrize("name", ["full", "causal"])
+def test_the_hopper_forward_of_192_queries_has_three_consumers(name):
+    """sm90_block_m = 192, FlashAttention-3's tiles at heads of 64: three consumer warpgroups of 64
+    queries, 160 registers each (the loader keeps 24), and nothing spilled. (P leaves float32 as soon
+    as its softmax is done: held across the next Q K^T, it took a consumer past 200 registers. A
+    mask that reads tensors, document's, still spills there: make_config keeps 192 to plain
+    attention.)"""
+    spec = with_config(retarget(load_spec(f"specs/{name}.toml"), 64, "bfloat16"), "triton_gpu", sm90_block_m=192)
+    module = harness.load_target(spec, "triton_gpu")
+    ptx = harness.compiled_structure(_INSPECT, module.__file__, spec.dtype, "fwd_sm90", "{}")[-1]
+    assert ptx["wgmma"] > 0 and ptx["tma_loads"] > 0 and ptx["waits"] == ["0", "1"]
+    assert {24, 160} <= set(ptx["registers"]) and 240 not in ptx["registers"]
+    assert ptx["local"] == 0 and ptx["stack_bytes"] == 0
+
+
 def test_the_hopper_kernels_take_tiles_from_a_counter_where_they_differ_in_cost():
     """The Hopper kernels have a program per SM everywhere: each walks a static share of the tiles
     where every tile walks the same blocks, and takes its next tile from an atomic counter, heaviest
@@ -88,6 +105,13 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
 
     assert enabled(128, "bfloat16") == enabled(128, "float16") == (1, 1, 1)
     assert enabled(64, "bfloat16") == (1, 1, 1)
+    # Three consumers (192 queries a program) for plain attention at heads of 64, two elsewhere.
+    rows = {
+        (name, head_dim): retarget(load_spec(f"specs/{name}.toml"), head_dim, "bfloat16").config("triton_gpu").sm90_block_m
+        for name in ("full", "causal", "softcap")
+        for head_dim in (64, 128)
+    }
+    assert rows == {**dict.fromkeys(rows, 128), ("full", 64): 192}
     assert enabled(32, "bfloat16") == (0, 0, 0)  # not measured
     assert enabled(128, "float32") == (0, 0, 0)  # wgmma takes no float32 inputs
     # Heads of 256: the dQ kernel's Q, dO and O of 128 queries beside its K/V ring, and the dK/dV
@@ -142,7 +166,7 @@ def _source(spec) -> str:
 @pytest.mark.parametrize(
     ("table", "problem"),
     [
-        ("sm90_block_m = 64", "sm90_block_m must be 128"),
+        ("sm90_block_m = 64", "sm90_block_m must be 128 or 192"),
         ("sm90_num_warps = 8", "sm90_num_warps must be 4"),
         ("sm90_forward = 2", "sm90_forward must be 0 or 1"),
         ("sm90_dkdv_block_n = 32", "sm90_dkdv_block_n must be 64 or 128"),

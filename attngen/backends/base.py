@@ -27,8 +27,8 @@ def power_of_two_at_least(n: int) -> int:
 class ProblemShape:
     """What a target's config may depend on: the spec's head dims and dtype, whether its backward
     writes a trained tensor's gradient per (query, key) pair ([grad] of a full bias) or sums it
-    along diagonals ([grad] of a relative table), and whether its score reads a tensor at each pair
-    (a full bias, trained or not: ir.reads_pairs)."""
+    along diagonals ([grad] of a relative table), whether its score reads a tensor at each pair
+    (a full bias, trained or not: ir.reads_pairs), and whether it has a mask or a score at all."""
 
     head_dim: int
     head_dim_v: int
@@ -36,6 +36,7 @@ class ProblemShape:
     per_pair_grads: bool = False
     relative_grads: bool = False
     pair_reads: bool = False
+    plain: bool = False  # no mask, no score: softmax(q k^T * scale) v
 
     @property
     def widest(self) -> int:

@@ -69,10 +69,11 @@ class TritonConfig:
     decode_num_stages: int = 3
     decode_programs_per_sm: int = 2
     # The Hopper forward (Gluon, sm90 only; the forward above serves other GPUs): sm90_block_m
-    # query rows per program, in two consumer warpgroups of half as many (wgmma's tile is 64 rows
-    # per warpgroup, so 128 it is), sm90_block_n keys per step through a ring of sm90_num_stages
-    # K/V buffers; sm90_num_warps is each consumer's (one warpgroup). sm90_forward = 0 turns it off;
-    # make_config sets its default (fp16 and bf16 only: wgmma takes no float32 inputs).
+    # query rows per program, in consumer warpgroups of 64 (wgmma's tile height): 128 (two) or 192
+    # (three, FlashAttention-3's choice at heads of 64), sm90_block_n keys per step through a ring
+    # of sm90_num_stages K/V buffers; sm90_num_warps is each consumer's (one warpgroup).
+    # sm90_forward = 0 turns it off; make_config sets its default (fp16 and bf16 only: wgmma takes
+    # no float32 inputs).
     sm90_forward: int = 1
     sm90_block_m: int = 128
     sm90_block_n: int = 128
@@ -169,10 +170,10 @@ def _forward_sm90(element: str = "") -> dict:
         "walks": BY_QUERY_BLOCK,
         "step": "BLOCK_N",
         "arguments": (
-            ("q_desc", Arg("nvmma_desc", "HALF_BLOCK_M", element=element)),
+            ("q_desc", Arg("nvmma_desc", "WGMMA_ROWS", element=element)),
             ("k_desc", Arg("nvmma_desc", "BLOCK_N", element=element)),
             ("v_desc", v),
-            ("o_desc", Arg("nvmma_desc", "HALF_BLOCK_M", "dv")),
+            ("o_desc", Arg("nvmma_desc", "WGMMA_ROWS", "dv")),
             ("LSE", F32_POINTER),
             ("DESCALE", F32_POINTER if element else NOT_PASSED),
             ("TILE_COUNTER", I32_POINTER),  # the tiles taken, for the dynamic persistent walk
@@ -364,7 +365,11 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
     report = Counted(report)
     prefixes = tuple(dict.fromkeys(k.tiles for k in KERNELS))
     for key in (f"{prefix}{block}" for prefix in prefixes for block in ("block_m", "block_n")):
-        if key in table and not (_power_of_two(table[key]) and 16 <= table[key] <= 256):
+        if key in ("sm90_block_m", "sm90_fp8_block_m"):
+            if table.get(key, 128) not in (128, 192):
+                why = "two or three consumer warpgroups of 64 rows, wgmma's tile height"
+                report(f"triton {key} must be 128 or 192 ({why}), got {table[key]}", key)
+        elif key in table and not (_power_of_two(table[key]) and 16 <= table[key] <= 256):
             report(f"triton {key} must be a power of two in 16..256, got {table[key]}", key)
     for key in (f"{prefix}num_warps" for prefix in prefixes):
         if key in table and table[key] not in (1, 2, 4, 8, 16):
@@ -373,9 +378,7 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         if key in table and not 1 <= table[key] <= 8:
             report(f"triton {key} must be in 1..8, got {table[key]}", key)
     for key, value, why in (
-        ("sm90_block_m", 128, "two consumer warpgroups of 64 rows, wgmma's tile height"),
         ("sm90_num_warps", 4, "each consumer is one warpgroup"),
-        ("sm90_fp8_block_m", 128, "two consumer warpgroups of 64 rows, wgmma's tile height"),
         ("sm90_fp8_num_warps", 4, "each consumer is one warpgroup"),
         ("sm90_dkdv_num_warps", 4, "each consumer is one warpgroup"),
         ("sm90_dq_num_warps", 4, "each consumer is one warpgroup"),
@@ -432,6 +435,11 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         return None
     # FP8 has no other kernel: on for every head dim, its output in the spec's dtype.
     config.setdefault("sm90_fp8", int(shape.dtype != "float32"))
+    # Three consumer warpgroups (192 queries a program, FlashAttention-3's tiles) at heads of 64, where
+    # every tile is plain attention: 1.06-1.07x two at 4k-16k keys. Not under a mask or a score: their
+    # tiles spill at 160 registers a consumer (document, sliding window) or run slower (causal 4k 0.82x,
+    # sliding window 0.51x; H200, BENCHMARKS.md, 2026-12-04, "three consumers").
+    config.setdefault("sm90_block_m", 192 if shape.plain and shape.widest <= 64 else 128)
     # K and V tiles of 128 keys fit the ring for head dims up to 128; wider heads take 64 keys.
     for key in ("sm90_block_n", "sm90_fp8_block_n"):
         config.setdefault(key, 128 if shape.widest <= 128 else 64)

@@ -113,9 +113,8 @@ def _signature(module, kernel: Kernel, dtype: str, tma: bool = True):
         "TMA": int(tma),
         "BLOCK_M": tiles["block_m"],
         "BLOCK_N": tiles["block_n"],
-        # The Gluon kernels' tiles per consumer warpgroup: half a block of queries (forward, dQ), or
-        # the dK/dV kernel's K/V tiles of 64 keys (wgmma's rows for a warpgroup).
-        "HALF_BLOCK_M": tiles["block_m"] // 2,
+        # The Gluon kernels' tiles per consumer warpgroup: 64 rows, wgmma's for a warpgroup (queries of
+        # the forward and the dQ kernel, keys of the dK/dV kernel).
         "WGMMA_ROWS": 64,
         "STAGES": tiles["num_stages"],
         "BLOCK_D": module.BLOCK_D,
@@ -263,7 +262,9 @@ def compile_kernel(module, kernel: Kernel, dtype: str, target: GpuTarget | int, 
     constexprs = {**declared, **constexprs}
     if kernel.language == "gluon":  # warp-specialized: registers move between partitions
         source = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-        options = {"num_warps": tiles["num_warps"], "maxnreg": module.SM90_MAX_REGISTERS}
+        # The forward's consumer warpgroups hold 64 of its queries each; the backward's are two.
+        consumers = tiles["block_m"] // 64 if kernel.function == "_attention_fwd_sm90" else 2
+        options = {"num_warps": tiles["num_warps"], "maxnreg": module.SM90_MAX_REGISTERS[consumers]}
     else:
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         # A module may launch with fewer stages on AMD GPUs (DECODE_NUM_STAGES_HIP): compile what runs.

@@ -98,19 +98,26 @@ def trained_position_reads(score: ir.Expr | None, grad_params: tuple[str, ...]) 
 
 
 def problem_shape(
-    head_dim: int, head_dim_v: int, dtype: str, score: ir.Expr | None, grad_params: tuple[str, ...]
+    head_dim: int,
+    head_dim_v: int,
+    dtype: str,
+    mask: ir.Expr | None,
+    score: ir.Expr | None,
+    grad_params: tuple[str, ...],
 ) -> ProblemShape:
     """What the targets' configs depend on (ProblemShape): the head dims and dtype, whether the score
-    has trained reads of each kind of trained_position_reads, and whether it reads a tensor at each pair."""
+    has trained reads of each kind of trained_position_reads, whether it reads a tensor at each pair,
+    and whether there is a mask or a score."""
     own, computed = trained_position_reads(score, grad_params)
     pairs = score is not None and ir.reads_pairs(score)
-    return ProblemShape(head_dim, head_dim_v, dtype, bool(own), bool(computed), pair_reads=pairs)
+    plain = mask is None and score is None
+    return ProblemShape(head_dim, head_dim_v, dtype, bool(own), bool(computed), pair_reads=pairs, plain=plain)
 
 
 def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:
     """The spec at another head_dim and dtype, each target's unset keys re-defaulted (for tools
     that sweep shapes, such as the benchmarks)."""
-    shape = problem_shape(head_dim, spec.head_dim_v or head_dim, dtype, spec.score, spec.grad_params)
+    shape = problem_shape(head_dim, spec.head_dim_v or head_dim, dtype, spec.mask, spec.score, spec.grad_params)
     configs = {t.name: t.make_config(spec.tables[t.name], shape, _refuse) for t in TARGETS}
     return replace(spec, head_dim=head_dim, dtype=dtype, configs=configs)
 

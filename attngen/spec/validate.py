@@ -275,7 +275,7 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     # Each target checks its own table; what depends on the shape, only once the shape is valid.
     shape = None
     if not v.problems:
-        shape = problem_shape(head_dim, top.get("head_dim_v") or head_dim, dtype, score, tuple(grad_params))
+        shape = problem_shape(head_dim, top.get("head_dim_v") or head_dim, dtype, mask, score, tuple(grad_params))
     tables, configs = {}, {}
     for target in TARGETS:
         tables[target.name] = v.typed(v.table(data, target.config_table), target.config_table)

@@ -143,9 +143,10 @@ POINTER_TILES = {
     "dkdv_": (16, 128, 8, 2),  # bwd_dkdv
     "decode_": (64, 64, 8, 3),  # decode
 }
-# The Hopper kernels' register limit per thread: the first consumer warpgroup (the default
-# partition) gets what the second consumer (240) and the loader warp (24) leave.
-SM90_MAX_REGISTERS = 168
+# The Hopper kernels' register limit per thread at launch, by consumer warpgroups: the SM's 64K over
+# their threads, the loader warp's warpgroup counted. Two (the dQ and dK/dV kernels, the forward's
+# 128-query tiles): 168; three (192-query tiles): 128. setmaxnreg then moves them to the consumers.
+SM90_MAX_REGISTERS = {2: 168, 3: 128}
 # The Hopper forward's tiles (Q, O, the K/V ring) fit in this much shared memory: sm90's 227 KiB per
 # block less 1 KiB for the mbarriers.
 SM90_TILE_BYTES = 226 * 1024
@@ -342,21 +343,21 @@ def _sm90_key_tile(t, units, section_units, num_heads, kv_len, GROUP: gl.constex
 
 
 @gluon.jit
-def _sm90_tile_ring():
+def _sm90_tile_ring(CONSUMERS: gl.constexpr):
     """The persistent programs' tiles, from the loader to the consumers: two slots of one index each,
-    with their barriers (a slot is ready once the loader stored it, empty once both consumers read it)."""
+    with their barriers (a slot is ready once the loader stored it, empty once every consumer read it)."""
     tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(2):
         mbarrier.init(tile_ready.index(slot), count=1)
-        mbarrier.init(tile_empty.index(slot), count=2)
+        mbarrier.init(tile_empty.index(slot), count=CONSUMERS)
     return tile_smem, tile_ready, tile_empty
 
 
 @gluon.jit
 def _sm90_give_tile(tile_smem, tile_ready, tile_empty, t, given):
-    """The loader hands tile t (-1: no more) to both consumers through a slot of a two-slot ring."""
+    """The loader hands tile t (-1: no more) to every consumer through a slot of a two-slot ring."""
     slot = given % 2
     mbarrier.wait(tile_empty.index(slot), given // 2 & 1 ^ 1)  # a fresh barrier counts as released
     tile_smem.index(slot).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
@@ -369,7 +370,7 @@ def _sm90_take_tile(tile_smem, tile_ready, tile_empty, taken):
     slot = taken % 2
     mbarrier.wait(tile_ready.index(slot), taken // 2 & 1)
     t = gl.max(tile_smem.index(slot).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
-    mbarrier.arrive(tile_empty.index(slot), count=1)  # released by both consumers
+    mbarrier.arrive(tile_empty.index(slot), count=1)  # released by every consumer
     return t
 
 
@@ -1083,10 +1084,10 @@ def attention_with_kvcache(
 
 # ---------------------------------------------------------------------------- Hopper (sm90) forward
 # FlashAttention-3's structure, written in Gluon: one warp loads a tile's Q and streams K and V tiles
-# through a ring of shared-memory buffers with TMA; two consumer warpgroups own 64 query rows each
-# and run the online softmax with asynchronous wgmma, the softmax of one kv block under the QK^T of
-# the next. The registers move to the consumers (setmaxnreg). Same tile bounds, mask and score
-# functions as the kernels above.
+# through a ring of shared-memory buffers with TMA; consumer warpgroups (two, or three for 192-query
+# tiles) own 64 query rows each and run the online softmax with asynchronous wgmma, the softmax of
+# one kv block under the QK^T of the next. The registers move to the consumers (setmaxnreg). Same
+# tile bounds, mask and score functions as the kernels above.
 #
 # A tile is a query block of one (batch, head), walked in _sm90_query_tile's order (see the tile walks above):
 # persistent, the loader fetches the next tile's Q and K/V while the consumers store this one's output.
@@ -1103,7 +1104,7 @@ def _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_
     """Stream the K and V tiles of one run of kv blocks into the ring; `it` counts ring slots used."""
     for block in range(block_lo, block_hi):
         slot = it % STAGES
-        # A slot is free once both consumers released it; a fresh barrier counts as released.
+        # A slot is free once every consumer released it; a fresh barrier counts as released.
         phase = (it // STAGES) & 1 ^ 1
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
@@ -1137,15 +1138,15 @@ def _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
                     v_empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1,
                     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
                     FP8: gl.constexpr):
-    """Tile t's loads, the program's `done`-th: each consumer's half of its Q tile once its consumer
+    """Tile t's loads, the program's `done`-th: each consumer's rows of its Q tile once that consumer
     is done with the last one, then the K/V tiles of every run in order (`it` counts ring slots used)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     b, h, bh, q_first, kv_lo, kv_hi, full_lo, full_hi = _sm90_tile(t, batch_heads, section_heads, num_heads, q_len,
                                               kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, BLOCK_M, BLOCK_N)
-    for half in gl.static_range(2):
-        mbarrier.wait(q_empty.index(half), done & 1 ^ 1)  # a fresh barrier counts as released
-        mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, q_first + half * ROWS, 0], q_ready.index(half), q_smem.index(half))
+    for part in gl.static_range(BLOCK_M // ROWS):
+        mbarrier.wait(q_empty.index(part), done & 1 ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(q_ready.index(part), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, q_first + part * ROWS, 0], q_ready.index(part), q_smem.index(part))
     it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h // GROUP,
                         kv_lo, full_lo, it, STAGES, BLOCK_N, FP8)
     it = _sm90_load_run(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, h // GROUP,
@@ -1239,7 +1240,7 @@ def _sm90_v_operand(v_smem, slot, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr,
 
 
 @gluon.jit
-def _sm90_p_operand(p, v_tile, p_layout: gl.constexpr, FP8: gl.constexpr):
+def _sm90_p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
     """P in V's dtype as P V's register operand. FP8: wgmma's accumulator gives lane l keys
     {2j, 2j + 1, 2j + 8, 2j + 9} + 16i of every 32 (j = l % 4), its FP8 operand wants {4j, ..., 4j + 3}
     + 16i, so V^T holds its keys in that order (_fp8_transposed) and P's columns follow it: each
@@ -1249,7 +1250,7 @@ def _sm90_p_operand(p, v_tile, p_layout: gl.constexpr, FP8: gl.constexpr):
         BLOCK_N: gl.constexpr = p.shape[1]
         # Key 32c + 16i + 8a + 2j + z goes to column 32c + 16i + 4j + 2a + z.
         p = p.reshape([ROWS, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([ROWS, BLOCK_N])
-    return gl.convert_layout(p.to(v_tile.dtype), p_layout)
+    return gl.convert_layout(p.to(dtype), p_layout)
 
 
 @gluon.jit
@@ -1265,9 +1266,16 @@ def _sm90_wait_pv(acc, v_tile, p_op, FP8: gl.constexpr):
 @gluon.jit
 def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                       block_lo, block_hi, q_idx, b, h, q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1,
-                      MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
+                      MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr,
+                      P_EARLY: gl.constexpr):
     """One consumer warpgroup over one run of kv blocks. P V of each block is issued together with
-    the next block's Q K^T, and the softmax of that next block runs while P V is in flight."""
+    the next block's Q K^T, and the softmax of that next block runs while P V is in flight.
+
+    P_EARLY (three consumers, 160 registers each): P leaves float32 for V's dtype as soon as its
+    softmax is done, so that its float32 registers are free when the next Q K^T is issued; held
+    across it, a consumer needs over 200 registers (at heads of 64: 750 spilled instructions). With
+    two consumers (240 registers) P is converted after that issue, which starts Q K^T sooner: early,
+    the forward ran 0.93-0.99x at heads of 64 (BENCHMARKS.md, 2026-12-04, "three consumers")."""
     s_layout: gl.constexpr = _sm90_acc_layout(BLOCK_N, FP8)
     o_layout: gl.constexpr = acc.type.layout
     # P as wgmma's register operand: 32 bits of consecutive keys per register.
@@ -1290,6 +1298,8 @@ def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empt
         kv_idx = gl.expand_dims(block * BLOCK_N + gl.arange(0, BLOCK_N, cols_s), 0)
         p, alpha, m_i, l_i = _sm90_softmax_step(qk, m_i, l_i, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, MASKED)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+        if P_EARLY:
+            p = _sm90_p_operand(p, v_smem.dtype, p_layout, FP8)
         for block in range(block_lo + 1, block_hi):
             # Issue this block's Q K^T, then the previous block's P V.
             next_slot = (it + 1) % STAGES
@@ -1298,7 +1308,10 @@ def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empt
             qk = warpgroup_mma(q_tile, k_tile, s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
             v_tile = _sm90_v_operand(v_smem, slot, BLOCK_N, BLOCK_DV, FP8)
-            p_op = _sm90_p_operand(p, v_tile, p_layout, FP8)
+            if P_EARLY:
+                p_op = p
+            else:
+                p_op = _sm90_p_operand(p, v_smem.dtype, p_layout, FP8)
             acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
             # Q K^T was issued first, so it completes first: wait for it alone.
             qk = warpgroup_mma_wait(1, deps=(qk, q_tile, k_tile))[0]
@@ -1308,12 +1321,17 @@ def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empt
             acc = _sm90_wait_pv(acc, v_tile, p_op, FP8)
             mbarrier.arrive(v_empty.index(slot), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+            if P_EARLY:
+                p = _sm90_p_operand(p, v_smem.dtype, p_layout, FP8)
             it += 1
             slot = next_slot
         # The run's last P V.
         mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
         v_tile = _sm90_v_operand(v_smem, slot, BLOCK_N, BLOCK_DV, FP8)
-        p_op = _sm90_p_operand(p, v_tile, p_layout, FP8)
+        if P_EARLY:
+            p_op = p
+        else:
+            p_op = _sm90_p_operand(p, v_smem.dtype, p_layout, FP8)
         acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
         acc = _sm90_wait_pv(acc, v_tile, p_op, FP8)
         mbarrier.arrive(v_empty.index(slot), count=1)
@@ -1324,9 +1342,9 @@ def _sm90_consume_run(acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empt
 @gluon.jit
 def _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                        v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads, q_len, kv_len,
-                       scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, PART: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        GROUP: gl.constexpr, FP8: gl.constexpr, O_IN_Q: gl.constexpr):
-    """Query rows [HALF * ROWS, (HALF + 1) * ROWS) of tile t, the program's `done`-th; returns `it`."""
+    """Query rows [PART * ROWS, (PART + 1) * ROWS) of tile t, the program's `done`-th; returns `it`."""
     ROWS: gl.constexpr = q_smem.shape[3]
     BLOCK_D: gl.constexpr = q_smem.shape[4]
     BLOCK_DV: gl.constexpr = o_smem.shape[4]
@@ -1341,24 +1359,27 @@ def _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_r
         qk_descale = gl.load(descale)  # q.k of the stored values times this is q.k of the true ones
         tile_scale = scale * qk_descale
 
-    q_first = q_first + HALF * ROWS
+    q_first = q_first + PART * ROWS
     q_idx = gl.expand_dims(q_first + gl.arange(0, ROWS, rows_s), 1)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
-    q_tile = q_smem.index(HALF).reshape([ROWS, BLOCK_D])
-    mbarrier.wait(q_ready.index(HALF), done & 1)
+    q_tile = q_smem.index(PART).reshape([ROWS, BLOCK_D])
+    mbarrier.wait(q_ready.index(PART), done & 1)
     acc, l_i, m_i, it = _sm90_consume_run(
         acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         kv_lo, full_lo, q_idx, b, h, q_len, kv_len, tile_scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, True, STAGES, BLOCK_N, FP8,
+        BLOCK_M // ROWS == 3,
     )
     acc, l_i, m_i, it = _sm90_consume_run(
         acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         full_lo, full_hi, q_idx, b, h, q_len, kv_len, tile_scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, False, STAGES, BLOCK_N, FP8,
+        BLOCK_M // ROWS == 3,
     )
     acc, l_i, m_i, it = _sm90_consume_run(
         acc, l_i, m_i, it, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         full_hi, kv_hi, q_idx, b, h, q_len, kv_len, tile_scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, True, STAGES, BLOCK_N, FP8,
+        BLOCK_M // ROWS == 3,
     )
     # A row with no visible key has l = 0 and acc = 0: its output is 0 and its LSE -inf.
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -1366,10 +1387,10 @@ def _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_r
     if FP8:
         out = out * gl.load(descale + 1)
     if O_IN_Q:  # the output goes out through Q's buffer, which is free once it has left
-        o_tile = q_smem.index(HALF)
+        o_tile = q_smem.index(PART)
     else:  # Q is done with (every product that read it has been waited for): the loader may refill it
-        mbarrier.arrive(q_empty.index(HALF), count=1)
-        o_tile = o_smem.index(HALF)
+        mbarrier.arrive(q_empty.index(PART), count=1)
+        o_tile = o_smem.index(PART)
         tma.store_wait(0)  # the previous tile's output has left o_tile
     o_tile.reshape([ROWS, BLOCK_DV]).store(out.to(o_desc.dtype))
     fence_async_shared()
@@ -1379,17 +1400,17 @@ def _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_r
     gl.store(LSE + bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
     if O_IN_Q:
         tma.store_wait(0)
-        mbarrier.arrive(q_empty.index(HALF), count=1)
+        mbarrier.arrive(q_empty.index(PART), count=1)
     return it
 
 
 @gluon.jit
 def _sm90_consumer(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                    v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
-                   scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr, O_IN_Q: gl.constexpr,
-                   PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
-    """A consumer warpgroup: its half of the query rows of each of this program's tiles."""
+                   scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   GROUP: gl.constexpr, FP8: gl.constexpr, O_IN_Q: gl.constexpr, PERSISTENT: gl.constexpr,
+                   DYNAMIC: gl.constexpr, PART: gl.constexpr):
+    """Consumer warpgroup PART: its 64 query rows of each of this program's tiles."""
     gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
     if PERSISTENT and DYNAMIC:
         it = 0
@@ -1398,7 +1419,7 @@ def _sm90_consumer(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready
         while t >= 0:
             it = _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                     k_empty, v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads,
-                                    q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP,
+                                    q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, PART, STAGES, BLOCK_M, BLOCK_N, GROUP,
                                     FP8, O_IN_Q)
             done += 1
             t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
@@ -1408,7 +1429,7 @@ def _sm90_consumer(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready
         for t in range(gl.program_id(0), gl.cdiv(q_len, BLOCK_M) * batch_heads, gl.num_programs(0)):
             it = _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                     k_empty, v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads,
-                                    q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP,
+                                    q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, PART, STAGES, BLOCK_M, BLOCK_N, GROUP,
                                     FP8, O_IN_Q)
             done += 1
     else:  # a program per tile (`it` as a tensor: the loops carry it)
@@ -1417,7 +1438,7 @@ def _sm90_consumer(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready
         it = gl.to_tensor(0)
         it = _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                 k_empty, v_ready, v_empty, t, done, it, batch_heads, section_heads, num_heads,
-                                q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, HALF, STAGES, BLOCK_M, BLOCK_N, GROUP,
+                                q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, PART, STAGES, BLOCK_M, BLOCK_N, GROUP,
                                 FP8, O_IN_Q)
     tma.store_wait(0)
 
@@ -1436,64 +1457,105 @@ def _attention_fwd_sm90(
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    ROWS: gl.constexpr = BLOCK_M // 2  # per consumer warpgroup
-    Q_BYTES: gl.constexpr = 2 * q_desc.block_type.nbytes
-    O_BYTES: gl.constexpr = 2 * o_desc.block_type.nbytes
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]  # per consumer warpgroup: wgmma's tile height, 64
+    CONSUMERS: gl.constexpr = BLOCK_M // ROWS
+    Q_BYTES: gl.constexpr = CONSUMERS * q_desc.block_type.nbytes
+    O_BYTES: gl.constexpr = CONSUMERS * o_desc.block_type.nbytes
     RING_BYTES: gl.constexpr = STAGES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     O_IN_Q: gl.constexpr = _sm90_o_in_q(Q_BYTES, O_BYTES, RING_BYTES)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, 1, ROWS, BLOCK_D], q_desc.layout)  # a half per consumer
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, 1, 1, ROWS, BLOCK_D], q_desc.layout)
     if O_IN_Q:
         gl.static_assert(BLOCK_DV == BLOCK_D and not FP8, "O's tile must have Q's shape and dtype to share its buffer")
         o_smem = q_smem
     else:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, 1, 1, ROWS, BLOCK_DV], o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
     if FP8:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_DV, BLOCK_N], v_desc.layout)
     else:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    tile_smem, tile_ready, tile_empty = _sm90_tile_ring()
-    for half in gl.static_range(2):
-        mbarrier.init(q_ready.index(half), count=1)
-        mbarrier.init(q_empty.index(half), count=1)  # released by its consumer
+    tile_smem, tile_ready, tile_empty = _sm90_tile_ring(CONSUMERS)
+    for part in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(part), count=1)
+        mbarrier.init(q_empty.index(part), count=1)  # released by its consumer
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
-        mbarrier.init(k_empty.index(slot), count=2)  # released by both consumers
-        mbarrier.init(v_empty.index(slot), count=2)
+        mbarrier.init(k_empty.index(slot), count=CONSUMERS)  # released by every consumer
+        mbarrier.init(v_empty.index(slot), count=CONSUMERS)
 
-    gl.warp_specialize(
-        [
-            (
-                _sm90_consumer,
-                (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                 v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
-                 scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, 0, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT,
-                 DYNAMIC),
-            ),
-            (
-                _sm90_consumer,
-                (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                 v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
-                 scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, 1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT,
-                 DYNAMIC),
-            ),
-            (
-                _sm90_loader,
-                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                 tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads, q_len,
-                 kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, PERSISTENT, DYNAMIC),
-            ),
-        ],
-        [4, 1],  # warps: the second consumer, the loader
-        [240, 24],  # registers per thread: the second consumer, the loader
-    )
+    # Registers per thread (setmaxnreg) of the workers: the other consumers, then the loader; the
+    # first consumer, the default partition, takes what is left of the SM's 64K.
+    if CONSUMERS == 2:
+        gl.warp_specialize(
+            [
+                (
+                    _sm90_consumer,
+                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
+                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
+                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 0),
+                ),
+                (
+                    _sm90_consumer,
+                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
+                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
+                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 1),
+                ),
+                (
+                    _sm90_loader,
+                    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                     v_empty, tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads,
+                     q_len, kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1,
+                     STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, PERSISTENT, DYNAMIC),
+                ),
+            ],
+            [4, 1],
+            [240, 24],
+        )
+    else:
+        gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
+        gl.warp_specialize(
+            [
+                (
+                    _sm90_consumer,
+                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
+                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
+                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 0),
+                ),
+                (
+                    _sm90_consumer,
+                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
+                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
+                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 1),
+                ),
+                (
+                    _sm90_consumer,
+                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
+                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
+                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 2),
+                ),
+                (
+                    _sm90_loader,
+                    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                     v_empty, tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads,
+                     q_len, kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1,
+                     STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, PERSISTENT, DYNAMIC),
+                ),
+            ],
+            [4, 4, 1],
+            [160, 160, 24],
+        )
 
 
 # ---------------------------------------------------------------------------- Hopper (sm90) dK/dV
@@ -1827,7 +1889,7 @@ def _attention_bwd_dkdv_sm90(
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    tile_smem, tile_ready, tile_empty = _sm90_tile_ring()
+    tile_smem, tile_ready, tile_empty = _sm90_tile_ring(2)
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(kv_empty, count=2)  # released by both consumers
     for slot in gl.static_range(STAGES):
@@ -2180,7 +2242,7 @@ def _attention_bwd_dq_sm90(
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (64-query blocks)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    tile_smem, tile_ready, tile_empty = _sm90_tile_ring()
+    tile_smem, tile_ready, tile_empty = _sm90_tile_ring(2)
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)  # released by both consumers
     mbarrier.init(o_read, count=2)  # both consumers have read O
@@ -2343,7 +2405,7 @@ def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
     else:
         block_m, block_n, stages, warps = SM90_FP8_BLOCK_M, SM90_FP8_BLOCK_N, SM90_FP8_NUM_STAGES, SM90_FP8_NUM_WARPS
         v_desc = _nvmma_descriptor(v, BLOCK_DV, block_n)
-    rows = block_m // 2  # per consumer warpgroup
+    rows = 64  # per consumer warpgroup: wgmma's tile height
     programs, counter = _sm90_programs(_cdiv(q_len, block_m) * batch * heads, q.device)
     kv_head_bytes = kv_len * (BLOCK_D + BLOCK_DV) * k.element_size()  # each kv head serves `group` heads
     _attention_fwd_sm90[(programs,)](
@@ -2351,7 +2413,7 @@ def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
         descale, counter, heads, q_len, kv_len, scale, batch * heads,
         _sm90_section(batch * heads, kv_head_bytes, group), *params, GROUP=group, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, STAGES=stages, FP8=descale is not None,
-        PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
+        PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC, num_warps=warps, maxnreg=SM90_MAX_REGISTERS[block_m // rows],
     )
 
 
@@ -2442,7 +2504,7 @@ def _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
         _nvmma_descriptor(dq, 64), dq, counter, heads, q_len, kv_len, scale, batch * heads,
         _sm90_section(batch * heads, kv_head_bytes, group), *params, GROUP=group, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, STAGES=stages,
-        PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC, num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
+        PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC, num_warps=warps, maxnreg=SM90_MAX_REGISTERS[2],
     )
 
 
@@ -2488,7 +2550,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
             heads, q_len, kv_len, scale, units, _sm90_section(units, unit_bytes), *params, GROUP=group,
             SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM,
             HEAD_DIM_V=HEAD_DIM_V, STAGES=stages, PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC,
-            num_warps=warps, maxnreg=SM90_MAX_REGISTERS,
+            num_warps=warps, maxnreg=SM90_MAX_REGISTERS[2],
         )
         if splits > 1:
             dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
