@@ -1157,13 +1157,15 @@ def _sm90_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
 
 
 @gluon.jit
-def _sm90_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                 tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads, q_len,
-                 kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 GROUP: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+def _sm90_loader(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
+                 FP8: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     """The loader warp: the loads of this program's tiles. Persistent, it also picks them: the next
     of a static share (every num_programs-th), or DYNAMIC the next not taken by any program (an
-    atomic counter, for tiles of unequal cost), and hands each to the consumers."""
+    atomic counter, for tiles of unequal cost), and hands each to the consumers. args: the kernel's
+    `loader` tuple, its runtime arguments (as _sm90_consumer's)."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_smem,
+     tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads, q_len,
+     kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1) = args
     if PERSISTENT and DYNAMIC:
         it = 0
         done = 0
@@ -1405,12 +1407,15 @@ def _sm90_consume_tile(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_r
 
 
 @gluon.jit
-def _sm90_consumer(o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                   v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
-                   scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   GROUP: gl.constexpr, FP8: gl.constexpr, O_IN_Q: gl.constexpr, PERSISTENT: gl.constexpr,
-                   DYNAMIC: gl.constexpr, PART: gl.constexpr):
-    """Consumer warpgroup PART: its 64 query rows of each of this program's tiles."""
+def _sm90_consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
+                   FP8: gl.constexpr, O_IN_Q: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
+                   PART: gl.constexpr):
+    """Consumer warpgroup PART: its 64 query rows of each of this program's tiles. args: the kernel's
+    `consumer` tuple, every consumer's runtime arguments (Triton 3.6 passes a constexpr in a nested
+    tuple to a partition as a value)."""
+    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+     tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+     scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1) = args
     gl.static_assert(gl.num_warps() == 4, "a consumer is one warpgroup")
     if PERSISTENT and DYNAMIC:
         it = 0
@@ -1490,32 +1495,21 @@ def _attention_fwd_sm90(
         mbarrier.init(k_empty.index(slot), count=CONSUMERS)  # released by every consumer
         mbarrier.init(v_empty.index(slot), count=CONSUMERS)
 
-    # Registers per thread (setmaxnreg) of the workers: the other consumers, then the loader; the
-    # first consumer, the default partition, takes what is left of the SM's 64K.
+    consumer = (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads, q_len, kv_len,
+                scale, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1)
+    loader = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+              tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads, q_len,
+              kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1)
+    # The first consumer is the default partition; the lists give the workers' warps and registers
+    # per thread (setmaxnreg): the other consumers', then the loader's. The first consumer takes what
+    # is left of the SM's 64K.
     if CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (
-                    _sm90_consumer,
-                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
-                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
-                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 0),
-                ),
-                (
-                    _sm90_consumer,
-                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
-                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
-                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 1),
-                ),
-                (
-                    _sm90_loader,
-                    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads,
-                     q_len, kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1,
-                     STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, PERSISTENT, DYNAMIC),
-                ),
+                (_sm90_consumer, (consumer, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 0)),
+                (_sm90_consumer, (consumer, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 1)),
+                (_sm90_loader, (loader, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, PERSISTENT, DYNAMIC)),
             ],
             [4, 1],
             [240, 24],
@@ -1524,34 +1518,10 @@ def _attention_fwd_sm90(
         gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
         gl.warp_specialize(
             [
-                (
-                    _sm90_consumer,
-                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
-                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
-                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 0),
-                ),
-                (
-                    _sm90_consumer,
-                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
-                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
-                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 1),
-                ),
-                (
-                    _sm90_consumer,
-                    (o_desc, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                     v_ready, v_empty, tile_smem, tile_ready, tile_empty, batch_heads, section_heads, num_heads,
-                     q_len, kv_len, scale, param_max_dist, param_rel_bias, param_rel_bias_size0,
-                     param_rel_bias_size1, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 2),
-                ),
-                (
-                    _sm90_loader,
-                    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, tile_smem, tile_ready, tile_empty, TILE_COUNTER, batch_heads, section_heads, num_heads,
-                     q_len, kv_len, param_max_dist, param_rel_bias, param_rel_bias_size0, param_rel_bias_size1,
-                     STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, PERSISTENT, DYNAMIC),
-                ),
+                (_sm90_consumer, (consumer, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 0)),
+                (_sm90_consumer, (consumer, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 1)),
+                (_sm90_consumer, (consumer, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, O_IN_Q, PERSISTENT, DYNAMIC, 2)),
+                (_sm90_loader, (loader, STAGES, BLOCK_M, BLOCK_N, GROUP, FP8, PERSISTENT, DYNAMIC)),
             ],
             [4, 4, 1],
             [160, 160, 24],
