@@ -11,8 +11,11 @@ skipped, and one whose kernel faults (an illegal address, which no later launch 
 survives) ends the run, saying what was found and how to go on; each (head_dim, dtype) entry is
 recorded as soon as it is found. A candidate's score is the geometric mean of its times over every
 spec and sequence length, so that no single shape decides (tuning on one length picks tiles that
-lose on others); the table's own configuration is always among the candidates, so that a recorded
-winner has beaten it. --kernel limits the search to the kernels named.
+lose on others); each time is the median of ROUNDS rounds that time every exact candidate in turn,
+in the opposite order every other round (a kernel timed right after a heavier one reads 2-3 % slow
+on the H200: BENCHMARKS.md, 2026-12-04, "what an A/B's order costs"). The table's own configuration
+is always among the candidates, and a winner replaces it only by more than MIN_GAIN, the spread of
+timing the same kernel. --kernel limits the search to the kernels named.
 The three kernels are tuned one after the other (forward alone; dQ with the table's dK/dV; dK/dV
 with the best dQ), which keeps the search linear in the size of each space.
 On a Hopper GPU the Gluon kernels are searched too (their tile height is fixed by wgmma: the
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +56,8 @@ TUNED_KERNELS = tuple(k for k in KERNELS if k.family == "training")
 FORWARD_KERNELS = ("fwd", "fwd_short", "fwd_sm90")
 HOPPER_SWITCHES = tuple(sorted({k.enabled_by for k in KERNELS if k.capabilities}))  # sm90_forward, _backward, _dq, _fp8
 TOKENS = 16384  # batch * seq of every timed shape, as in the benchmark grid
+ROUNDS = 3  # times of each candidate, in turn with the others (see the module doc)
+MIN_GAIN = 0.02  # a winner's speed over the table's configuration that is more than noise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,32 +196,46 @@ class _Tuner:
         self.count = 0
 
     def search(self, workloads: list[Workload], config: TritonConfig, kernel: Kernel, space) -> Candidate:
-        """The candidate with the lowest geometric-mean time of `kernel`'s pass over the workloads."""
-        scores = {}
+        """The candidate with the lowest geometric-mean time of `kernel`'s pass over the workloads,
+        each time the median of ROUNDS rounds; the table's candidate (`config`'s) unless beaten by
+        more than MIN_GAIN."""
+        labels = {c: " ".join(f"{k}={v}" for k, v in c.config(kernel).items()) for c in space}
+        ready = {}  # the exact candidates' modules, one per workload
         for i, candidate in enumerate(space, start=1):
-            fields = candidate.config(kernel)
-            label = " ".join(f"{k}={v}" for k, v in fields.items())
+            fields = {**dataclasses.asdict(config), **candidate.config(kernel)}
+            at = [Workload(with_config(w.spec, "triton_gpu", **fields), w.params) for w in workloads]
             try:
-                times = [
-                    ms
-                    for w in workloads
-                    for ms in self._measure(
-                        Workload(
-                            with_config(w.spec, "triton_gpu", **{**dataclasses.asdict(config), **fields}), w.params
-                        ),
-                        kernel,
-                    )
-                ]
+                ready[candidate] = [(self._prepare(w, kernel), w) for w in at]
+                self.log(f"  [{kernel.name} {i}/{len(space)}] {labels[candidate]}: exact")
             except Rejected as e:
-                self.log(f"  [{kernel.name} {i}/{len(space)}] {label}: skipped ({e})")
-                _check_gpu_usable(f"{kernel.name} {label}")
-                continue
-            scores[candidate] = math.exp(sum(map(math.log, times)) / len(times))
-            shown = " ".join(f"{ms:.3f}" for ms in times)
-            self.log(f"  [{kernel.name} {i}/{len(space)}] {label}: {scores[candidate]:.3f} ms (geomean of {shown})")
+                self.log(f"  [{kernel.name} {i}/{len(space)}] {labels[candidate]}: skipped ({e})")
+                _check_gpu_usable(f"{kernel.name} {labels[candidate]}")
+        rounds = {candidate: [] for candidate in ready}  # each round's times, over workloads and lengths
+        for r in range(ROUNDS):
+            for candidate in list(ready)[:: 1 if r % 2 == 0 else -1]:
+                if candidate not in rounds:  # rejected in an earlier round
+                    continue
+                try:
+                    times = [ms for module, w in ready[candidate] for ms in self._time(module, w, kernel)]
+                    rounds[candidate].append(times)
+                except Rejected as e:
+                    self.log(f"  [{kernel.name}] {labels[candidate]}: skipped ({e})")
+                    _check_gpu_usable(f"{kernel.name} {labels[candidate]}")
+                    del rounds[candidate]
+        scores = {}
+        for candidate, times in rounds.items():
+            medians = [statistics.median(shape) for shape in zip(*times)]
+            scores[candidate] = math.exp(sum(map(math.log, medians)) / len(medians))
+            shown = " ".join(f"{ms:.3f}" for ms in medians)
+            self.log(f"  [{kernel.name}] {labels[candidate]}: {scores[candidate]:.3f} ms (geomean of medians {shown})")
         if not scores:
             raise AttngenError(f"no {kernel.name} candidate compiled and was exact")
-        return min(scores, key=scores.get)
+        best = min(scores, key=scores.get)
+        table = Candidate.of(kernel, config)
+        if table in scores and best != table and scores[table] < scores[best] * (1 + MIN_GAIN):
+            self.log(f"  [{kernel.name}] {labels[best]} is within {MIN_GAIN:.0%} of the table's {labels[table]}: kept")
+            return table
+        return best
 
     def lengths(self, kernel: Kernel, config: TritonConfig) -> list[int]:
         """The sequence lengths `kernel`'s configuration runs at: the short forward serves those up
@@ -226,17 +246,27 @@ class _Tuner:
             return [n for n in self.seqs if n > config.short_kv_len]
         return self.seqs
 
-    def _measure(self, w: Workload, kernel: Kernel) -> list[float]:
-        """Median ms of the forward (kernels "fwd", "fwd_short") or of the whole backward, per length."""
+    def _prepare(self, w: Workload, kernel: Kernel):
+        """The candidate's module for workload w, checked against the float64 reference at a length
+        its kernel serves (the short forward or the long one); Rejected if it fails or is not exact."""
         import triton
 
         module = self._load(w.spec)
         config = w.spec.config("triton_gpu")
-        # Checked at a length the candidate's kernel serves (the short forward or the long one).
         seq = {"fwd": config.short_kv_len + 512, "fwd_short": min(512, config.short_kv_len)}.get(kernel.name, 512)
         try:
             check_exact(module, w, seq)
-            return [_time_pass(module, w, kernel.name, seq) for seq in self.lengths(kernel, config)]
+        except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
+            raise Rejected(str(e).strip().splitlines()[0][:120]) from e
+        return module
+
+    def _time(self, module, w: Workload, kernel: Kernel) -> list[float]:
+        """Median ms of the forward (kernels "fwd", "fwd_short") or of the whole backward, per length."""
+        import triton
+
+        lengths = self.lengths(kernel, w.spec.config("triton_gpu"))
+        try:
+            return [_time_pass(module, w, kernel.name, seq) for seq in lengths]
         except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
             raise Rejected(str(e).strip().splitlines()[0][:120]) from e
 

@@ -152,17 +152,21 @@ def test_a_candidate_that_faults_the_gpu_ends_the_tune_clearly_and_loses_no_entr
         monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
     faulted = []
 
-    def measure(self, w, kernel):
+    def prepare(self, w, kernel):
         if w.spec.head_dim == 128 and kernel.name == "bwd_dq":
             faulted.append(True)
             raise tune_module.Rejected("Triton Error [CUDA]: an illegal memory access was encountered")
+        return None
+
+    def time(self, module, w, kernel):
         return [1.0 if w.spec.config("triton_gpu").num_stages == 2 else 2.0]
 
     def synchronize(*args):
         if faulted:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(tune_module._Tuner, "_measure", measure)
+    monkeypatch.setattr(tune_module._Tuner, "_prepare", prepare)
+    monkeypatch.setattr(tune_module._Tuner, "_time", time)
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     before = default_config(128, "bfloat16")
     args = ["tune", str(SPECS / "causal.toml"), "--head-dim", "64", "--head-dim", "128", "--kernel", "fwd"]
@@ -175,6 +179,49 @@ def test_a_candidate_that_faults_the_gpu_ends_the_tune_clearly_and_loses_no_entr
     assert "tune bwd_dq and the kernels after it again with --kernel" in err
     # head_dim 64's entry was recorded before the fault (its winner: the first 2-stage forward); 128's is as it was
     assert default_config(64, "bfloat16")["block_n"] == 32 and default_config(128, "bfloat16") == before
+
+
+def _timed_search(monkeypatch, times, space_size=3):
+    """_Tuner.search over candidates whose rounds take `times[candidate index][round]` ms (one
+    workload, one length): (the winner's index, the order the candidates were timed in)."""
+    from attngen import tune as tune_module
+
+    kernel = next(k for k in KERNELS if k.name == "fwd")
+    config = TritonConfig(**default_config(128, "bfloat16"))
+    table = tune_module.Candidate.of(kernel, config)
+    space = [table, *(c for c in search_space(kernel, quick=False) if c != table)][:space_size]
+    order = []
+
+    def time(self, module, w, kernel):
+        order.append(module)
+        return [times[module][sum(1 for m in order if m == module) - 1]]
+
+    prepared = iter(range(len(space)))
+    monkeypatch.setattr(tune_module._Tuner, "_prepare", lambda self, w, kernel: next(prepared))
+    monkeypatch.setattr(tune_module._Tuner, "_time", time)
+    tuner = tune_module._Tuner(Path("."), [4096], lambda line: None)
+    workload = tune_module.Workload(load_spec(SPECS / "causal.toml"), {})
+    best = tuner.search([workload], config, kernel, space)
+    return space.index(best), order
+
+
+def test_candidates_are_timed_in_rounds_of_alternating_order_and_scored_by_their_medians(monkeypatch):
+    """A kernel timed right after a heavier one reads slow (BENCHMARKS.md, 2026-12-04): every
+    candidate is timed once a round, the order reversed every other round, and one slow round
+    does not decide."""
+    from attngen import tune as tune_module
+
+    # Candidate 1's second round is an outlier; its median (1.0) still beats the table's (1.5).
+    best, order = _timed_search(monkeypatch, [[1.5, 1.5, 1.5], [1.0, 9.0, 1.0], [1.2, 1.2, 1.2]])
+    assert order == [0, 1, 2, 2, 1, 0, 0, 1, 2][: 3 * tune_module.ROUNDS]
+    assert best == 1
+
+
+def test_a_winner_within_the_noise_keeps_the_tables_configuration(monkeypatch):
+    """Timing the same kernel twice differs by up to 2-3 %: a candidate must beat the table's
+    configuration (candidate 0) by more than MIN_GAIN to replace it."""
+    assert _timed_search(monkeypatch, [[1.0] * 3, [0.99] * 3, [1.1] * 3])[0] == 0
+    assert _timed_search(monkeypatch, [[1.0] * 3, [0.95] * 3, [1.1] * 3])[0] == 1
 
 
 def test_tune_needs_a_gpu_and_every_param(capsys):
