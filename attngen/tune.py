@@ -212,6 +212,7 @@ class _Tuner:
                 _check_gpu_usable(f"{kernel.name} {labels[candidate]}")
         rounds = {candidate: [] for candidate in ready}  # each round's times, over workloads and lengths
         for r in range(ROUNDS):
+            self.log(f"  [{kernel.name}] timing round {r + 1}/{ROUNDS} of {len(rounds)} exact candidates")
             for candidate in list(ready)[:: 1 if r % 2 == 0 else -1]:
                 if candidate not in rounds:  # rejected in an earlier round
                     continue
