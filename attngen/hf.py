@@ -84,8 +84,7 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
                 f"{query.shape[2]} queries against {key.shape[2]} keys with gradients: a step from a cache"
                 " runs attention_with_kvcache, which is inference only"
             )
-        lengths = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=query.device)
-        out = module.attention_with_kvcache(query, key, value, lengths, scale=scaling, **layer)
+        out = module.attention_with_kvcache(query, key, value, key.shape[2], scale=scaling, **layer)
         return out.transpose(1, 2), None
 
     return attngen_attention

@@ -305,6 +305,34 @@ def test_a_cache_in_another_layout_is_read_in_place():
     assert torch.equal(strided, copied)
 
 
+def test_one_length_for_every_sequence_may_be_an_int():
+    """cache_seqlens as an int (FlashAttention's spelling; transformers' generate passes one): the
+    same bits as the tensor of that length on both targets, appending too; on torch the lengths of
+    a recent int are one tensor, shared by the calls (the layers of a decoding step)."""
+    import jax.numpy as jnp
+
+    spec = retarget(load_spec("specs/sliding_window.toml"), 32, "float32")
+    module = harness.load_target(spec, "triton_gpu")
+    g = torch.Generator().manual_seed(3)
+    q, cache = torch.randn(2, 4, 2, 32, generator=g), torch.randn(2, 2, 64, 32, generator=g)
+    lens = torch.tensor([50, 50], dtype=torch.int32)
+    by_int = module.attention_with_kvcache(q, cache, cache, 50, window=20)
+    assert torch.equal(by_int, module.attention_with_kvcache(q, cache, cache, lens, window=20))
+    assert module._cache_seqlens(50, q) is module._cache_seqlens(50, q)
+    assert torch.equal(module._cache_seqlens(-3, q), torch.zeros(2, dtype=torch.int32))  # clamped as the kernels do
+    k_cache, v_cache = cache.clone(), cache.clone()
+    k, v = torch.randn(2, 2, 2, 32, generator=g), torch.randn(2, 2, 2, 32, generator=g)
+    appended = module.attention_with_kvcache(q, k_cache, v_cache, 48, k=k, v=v, window=20)
+    assert torch.equal(appended, module.attention_with_kvcache(q, k_cache, v_cache, lens, window=20))
+
+    pallas = _pallas_module(spec)
+    q_j, cache_j = jnp.asarray(q.numpy()), jnp.asarray(cache.numpy())
+    out = pallas.attention_with_kvcache(q_j, cache_j, cache_j, 50, window=20, interpret=True)
+    lens_j = jnp.asarray(lens.numpy())
+    expected = pallas.attention_with_kvcache(q_j, cache_j, cache_j, lens_j, window=20, interpret=True)
+    assert np.array_equal(np.asarray(out), np.asarray(expected))
+
+
 def test_bad_inputs_are_refused_before_launch():
     spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
     module = harness.load_target(spec, "triton_gpu")
@@ -312,7 +340,8 @@ def test_bad_inputs_are_refused_before_launch():
     cache = torch.randn(2, 2, 64, 32)
     lens = torch.tensor([10, 20], dtype=torch.int32)
     cases = [
-        ({"cache_seqlens": lens.long()}, TypeError, "cache_seqlens must be an int32 torch tensor"),
+        ({"cache_seqlens": lens.long()}, TypeError, "cache_seqlens must be an int or an int32 torch tensor"),
+        ({"cache_seqlens": True}, TypeError, "cache_seqlens must be an int or an int32 torch tensor, got bool"),
         ({"cache_seqlens": lens[:1]}, ValueError, "cache_seqlens has shape (1,); expected (2,)"),
         ({"k_cache": cache.half()}, TypeError, "k_cache is torch.float16"),
         ({"k_cache": torch.randn(2, 3, 64, 32)}, ValueError, "shapes do not match"),
@@ -347,7 +376,8 @@ def test_pallas_bad_inputs_are_refused_before_launch():
     cache = jnp.asarray(rng.standard_normal((2, 2, 64, 32)), jnp.float32)
     lens = jnp.asarray([10, 20], jnp.int32)
     cases = [
-        ({"cache_seqlens": np.array([10, 20], np.int64)}, TypeError, "cache_seqlens must be an int32 array"),
+        ({"cache_seqlens": np.array([10, 20], np.int64)}, TypeError, "cache_seqlens must be an int or an int32 array"),
+        ({"cache_seqlens": 2.5}, TypeError, "cache_seqlens must be an int or an int32 array, got float"),
         ({"cache_seqlens": lens[:1]}, ValueError, "cache_seqlens has shape (1,); expected (2,)"),
         ({"q": q[0]}, ValueError, "q must be a 4-D array"),
         ({"k_cache": cache.astype(jnp.bfloat16)}, TypeError, "k_cache is bfloat16"),

@@ -1045,8 +1045,9 @@ def attention_with_kvcache(
         k_cache: [batch, kv_heads, max_len, 128], or paged: [num_pages, kv_heads, page_size, 128]
             with block_table; kv_heads divides heads (query head h reads kv head h // (heads // kv_heads)).
         v_cache: like k_cache, 128 wide.
-        cache_seqlens: int32 [batch], each sequence's length in the cache (the new tokens included);
-            clamped into [0, capacity]. A sequence shorter than T leaves its first queries without keys.
+        cache_seqlens: int32 [batch], each sequence's length in the cache (the new tokens included),
+            or an int, every sequence's; clamped into [0, capacity]. A sequence shorter than T leaves
+            its first queries without keys.
         k, v: new keys and values to append first, [batch, kv_heads, T_new, 128] and [..., 128]
             (FlashAttention's flash_attn_with_kvcache): written into the caches in place at positions
             cache_seqlens[b] .. cache_seqlens[b] + T_new - 1, so that cache_seqlens counts the tokens
@@ -1066,6 +1067,7 @@ def attention_with_kvcache(
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+    cache_seqlens = _cache_seqlens(cache_seqlens, q)
     if workspace is not None:
         _check_workspace(workspace, q, k_cache)
     if k is not None or v is not None:
@@ -2089,6 +2091,40 @@ def _check_inputs(q, k, v, dtype=DTYPE):
         )
 
 
+def _one_length(cache_seqlens):
+    """Whether cache_seqlens is an int, every sequence's length (a bool is refused)."""
+    return isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+
+
+_SEQLENS = {}  # (device, stream, batch, length) -> int32 lengths: cache_seqlens given as an int (_cache_seqlens)
+_SEQLENS_KEPT = 8
+
+
+def _cache_seqlens(cache_seqlens, q):
+    """cache_seqlens as the kernels take it: an int (not a bool) is every sequence's length, as
+    FlashAttention's flash_attn_with_kvcache spells it (clamped into int32; the kernels clamp lengths
+    into the cache); anything else is as _check_kvcache found it.
+
+    The kernels only read it, so the lengths of a recent int are kept per stream and shared: the
+    layers of one decoding step (transformers' generate passes an int) make one tensor, not one
+    each (an allocation and a fill launch). Under CUDA-graph capture, fresh ones (a graph may
+    outlive them).
+    """
+    if not _one_length(cache_seqlens):
+        return cache_seqlens
+    length = min(max(cache_seqlens, 0), 2**31 - 1)
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full((q.shape[0],), length, device=q.device, dtype=torch.int32)
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.device.type == "cuda" else None
+    key = (q.device, stream, q.shape[0], length)
+    lengths = _SEQLENS.get(key)
+    if lengths is None:
+        if len(_SEQLENS) >= _SEQLENS_KEPT:
+            del _SEQLENS[next(iter(_SEQLENS))]  # the oldest
+        lengths = _SEQLENS[key] = torch.full((q.shape[0],), length, device=q.device, dtype=torch.int32)
+    return lengths
+
+
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
     """The inputs of attention_with_kvcache: shapes, dtypes, devices and layouts, before any launch."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -2108,14 +2144,15 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
             f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
             " (caches alike; kv heads dividing q heads)"
         )
-    tables = [("cache_seqlens", cache_seqlens, (q.shape[0],))]
+    tables = [] if _one_length(cache_seqlens) else [("cache_seqlens", cache_seqlens, (q.shape[0],))]
     if block_table is not None:
         tables.append(("block_table", block_table, (q.shape[0], None)))
     elif k_cache.shape[0] != q.shape[0]:
         raise ValueError(f"a contiguous cache holds one sequence per batch entry: k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}")
     for name, t, shape in tables:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
-            raise TypeError(f"{name} must be an int32 torch tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+            kind = "an int or an int32 torch tensor" if name == "cache_seqlens" else "an int32 torch tensor"
+            raise TypeError(f"{name} must be {kind}, got {getattr(t, 'dtype', type(t).__name__)}")
         if t.dim() != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
         if t.device != q.device:

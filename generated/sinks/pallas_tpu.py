@@ -472,8 +472,9 @@ def attention_with_kvcache(
         k_cache: [batch, kv_heads, max_len, 64], or paged: [num_pages, kv_heads, page_size, 64]
             with block_table; kv_heads divides heads (query head h reads kv head h // (heads // kv_heads)).
         v_cache: like k_cache, 64 wide.
-        cache_seqlens: int32 [batch], each sequence's length in the cache (the new tokens included);
-            clamped into [0, capacity]. A sequence shorter than T leaves its first queries without keys.
+        cache_seqlens: int32 [batch], each sequence's length in the cache (the new tokens included),
+            or an int, every sequence's; clamped into [0, capacity]. A sequence shorter than T leaves
+            its first queries without keys.
         k, v: new keys and values to append first, [batch, kv_heads, T_new, 64] and [..., 64]
             (FlashAttention's flash_attn_with_kvcache), at positions cache_seqlens[b] .. cache_seqlens[b] +
             T_new - 1, so that cache_seqlens counts the tokens cached before them. jax arrays do not
@@ -491,6 +492,7 @@ def attention_with_kvcache(
         With k and v: (out[, lse], k_cache, v_cache), the caches holding the appended tokens.
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+    cache_seqlens = _cache_seqlens(cache_seqlens, q)
     appended = k is not None or v is not None
     if appended:
         k_cache, v_cache, cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v)
@@ -855,6 +857,22 @@ def _check_inputs(q, k, v, dtype=DTYPE):
         )
 
 
+def _one_length(cache_seqlens):
+    """Whether cache_seqlens is an int, every sequence's length (a bool is refused)."""
+    return isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+
+
+def _cache_seqlens(cache_seqlens, q):
+    """cache_seqlens as the kernels take it: an int (not a bool) is every sequence's length, as
+    FlashAttention's flash_attn_with_kvcache spells it (clamped into int32; the kernels clamp lengths
+    into the cache); anything else is as _check_kvcache found it.
+    """
+    if not _one_length(cache_seqlens):
+        return cache_seqlens
+    length = min(max(cache_seqlens, 0), 2**31 - 1)
+    return jnp.full((q.shape[0],), length, jnp.int32)
+
+
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
     """The inputs of attention_with_kvcache: shapes, dtypes, before any launch."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -869,14 +887,15 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
             f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
             " (caches alike; kv heads dividing q heads)"
         )
-    tables = [("cache_seqlens", cache_seqlens, (q.shape[0],))]
+    tables = [] if _one_length(cache_seqlens) else [("cache_seqlens", cache_seqlens, (q.shape[0],))]
     if block_table is not None:
         tables.append(("block_table", block_table, (q.shape[0], None)))
     elif k_cache.shape[0] != q.shape[0]:
         raise ValueError(f"a contiguous cache holds one sequence per batch entry: k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}")
     for name, t, shape in tables:
         if getattr(t, "dtype", None) != jnp.int32:
-            raise TypeError(f"{name} must be an int32 array, got {getattr(t, 'dtype', type(t).__name__)}")
+            kind = "an int or an int32 array" if name == "cache_seqlens" else "an int32 array"
+            raise TypeError(f"{name} must be {kind}, got {getattr(t, 'dtype', type(t).__name__)}")
         if t.ndim != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
 
