@@ -180,20 +180,31 @@ def _on_their_device(launcher):
     return on_their_device
 
 
-_COUNTERS = {}  # (device index, stream) -> int32 zeros
+def _stream_key(device):
+    """The key of buffers that eager calls on `device`'s current stream keep and share across calls
+    (launches on one stream run one after another): (device, the stream's handle; None on the CPU).
+    None under CUDA-graph capture, where a call takes fresh ones: a graph may outlive what is kept
+    and be replayed on any stream."""
+    if device.type != "cuda":
+        return device, None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    # (the stream's handle as Inductor's generated code reads it: torch.cuda.current_stream builds a
+    # Stream object, ~5 us)
+    return device, torch._C._cuda_getCurrentRawStream(device.index)
+
+
+_COUNTERS = {}  # _stream_key -> int32 zeros
 
 
 def _stream_counters(device, n):
     """n int32 counters, zero, for a kernel that zeroes them again as it ends (the Hopper walks' tile
-    counter, the decode splits'). Eager calls share one buffer per device and stream, kept across
-    calls: launches on one stream run one after another, and a call then allocates and clears nothing
-    (a fresh zero tensor costs ~11 us of host time on the H200's host, and a memset on the GPU).
-    Under CUDA-graph capture, fresh zeros, cleared in the graph: it may be replayed on any stream."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    counter, the decode splits'). Eager calls on the GPU share one buffer per stream (_stream_key):
+    a call then allocates and clears nothing (a fresh zero tensor costs ~11 us of host time on the
+    H200's host, and a memset on the GPU). Under CUDA-graph capture, fresh zeros, cleared in the graph."""
+    key = _stream_key(device) if device.type == "cuda" else None
+    if key is None:
         return torch.zeros(n, device=device, dtype=torch.int32)
-    # (the stream's handle as Inductor's generated code reads it: torch.cuda.current_stream builds a
-    # Stream object, ~5 us)
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < n:
         counters = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
@@ -2794,7 +2805,7 @@ def _one_length(cache_seqlens):
     return isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
 
 
-_SEQLENS = {}  # (device, stream, batch, length) -> int32 lengths: cache_seqlens given as an int (_cache_seqlens)
+_SEQLENS = {}  # (_stream_key, batch, length) -> int32 lengths: cache_seqlens given as an int (_cache_seqlens)
 _SEQLENS_KEPT = 8
 
 
@@ -2803,18 +2814,17 @@ def _cache_seqlens(cache_seqlens, q):
     FlashAttention's flash_attn_with_kvcache spells it (clamped into int32; the kernels clamp lengths
     into the cache); anything else is as _check_kvcache found it.
 
-    The kernels only read it, so the lengths of a recent int are kept per stream and shared: the
-    layers of one decoding step (transformers' generate passes an int) make one tensor, not one
-    each (an allocation and a fill launch). Under CUDA-graph capture, fresh ones (a graph may
-    outlive them).
+    The kernels only read it, so the lengths of a recent int are kept per stream (_stream_key) and
+    shared: the layers of one decoding step (transformers' generate passes an int) make one tensor,
+    not one each (an allocation and a fill launch). Under CUDA-graph capture, fresh ones.
     """
     if not _one_length(cache_seqlens):
         return cache_seqlens
     length = min(max(cache_seqlens, 0), 2**31 - 1)
-    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    stream = _stream_key(q.device)
+    if stream is None:
         return torch.full((q.shape[0],), length, device=q.device, dtype=torch.int32)
-    stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.device.type == "cuda" else None
-    key = (q.device, stream, q.shape[0], length)
+    key = (stream, q.shape[0], length)
     lengths = _SEQLENS.get(key)
     if lengths is None:
         if len(_SEQLENS) >= _SEQLENS_KEPT:
