@@ -11,9 +11,8 @@ skipped, and one whose kernel faults (an illegal address, which no later launch 
 survives) ends the run, saying what was found and how to go on; each (head_dim, dtype) entry is
 recorded as soon as it is found. A candidate's score is the geometric mean of its times over every
 spec and sequence length, so that no single shape decides (tuning on one length picks tiles that
-lose on others); each time is the median of ROUNDS rounds that time every exact candidate in turn,
-in the opposite order every other round (a kernel timed right after a heavier one reads 2-3 % slow
-on the H200: BENCHMARKS.md, 2026-12-04, "what an A/B's order costs"). The table's own configuration
+lose on others); each time is the median of the rounds of attngen.timing, which time every exact
+candidate in turn, in the opposite order every other round. The table's own configuration
 is always among the candidates, and a winner replaces it only by more than MIN_GAIN, the spread of
 timing the same kernel. --kernel limits the search to the kernels named.
 The three kernels are tuned one after the other (forward alone; dQ with the table's dK/dV; dK/dV
@@ -28,6 +27,7 @@ Non-goals: no search over the Pallas kernels (TPU tuning needs a TPU), no autotu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import statistics
@@ -50,13 +50,13 @@ from attngen.build import import_generated, write_package
 from attngen.errors import AttngenError
 from attngen.exactness import GRADIENTS, judge
 from attngen.spec import Spec, retarget, with_config
+from attngen.timing import ROUNDS, in_rounds
 
 # The training family: the forward kernels are timed alone, the others with the whole backward.
 TUNED_KERNELS = tuple(k for k in KERNELS if k.family == "training")
 FORWARD_KERNELS = ("fwd", "fwd_short", "fwd_sm90")
 HOPPER_SWITCHES = tuple(sorted({k.enabled_by for k in KERNELS if k.capabilities}))  # sm90_forward, _backward, _dq, _fp8
 TOKENS = 16384  # batch * seq of every timed shape, as in the benchmark grid
-ROUNDS = 3  # times of each candidate, in turn with the others (see the module doc)
 MIN_GAIN = 0.02  # a winner's speed over the table's configuration that is more than noise
 
 
@@ -210,19 +210,18 @@ class _Tuner:
             except Rejected as e:
                 self.log(f"  [{kernel.name} {i}/{len(space)}] {labels[candidate]}: skipped ({e})")
                 _check_gpu_usable(f"{kernel.name} {labels[candidate]}")
-        rounds = {candidate: [] for candidate in ready}  # each round's times, over workloads and lengths
-        for r in range(ROUNDS):
-            self.log(f"  [{kernel.name}] timing round {r + 1}/{ROUNDS} of {len(rounds)} exact candidates")
-            for candidate in list(ready)[:: 1 if r % 2 == 0 else -1]:
-                if candidate not in rounds:  # rejected in an earlier round
-                    continue
-                try:
-                    times = [ms for module, w in ready[candidate] for ms in self._time(module, w, kernel)]
-                    rounds[candidate].append(times)
-                except Rejected as e:
-                    self.log(f"  [{kernel.name}] {labels[candidate]}: skipped ({e})")
-                    _check_gpu_usable(f"{kernel.name} {labels[candidate]}")
-                    del rounds[candidate]
+
+        def failed(candidate: Candidate, error: Exception) -> None:
+            if not isinstance(error, Rejected):
+                raise error
+            self.log(f"  [{kernel.name}] {labels[candidate]}: skipped ({error})")
+            _check_gpu_usable(f"{kernel.name} {labels[candidate]}")
+
+        def started(r: int) -> None:
+            self.log(f"  [{kernel.name}] timing round {r + 1}/{ROUNDS} of {len(ready)} exact candidates")
+
+        timers = {candidate: functools.partial(self._time, runs, kernel) for candidate, runs in ready.items()}
+        rounds = in_rounds(timers, ROUNDS, failed, started)  # each round: the times over workloads and lengths
         scores = {}
         for candidate, times in rounds.items():
             medians = [statistics.median(shape) for shape in zip(*times)]
@@ -261,13 +260,17 @@ class _Tuner:
             raise Rejected(str(e).strip().splitlines()[0][:120]) from e
         return module
 
-    def _time(self, module, w: Workload, kernel: Kernel) -> list[float]:
-        """Median ms of the forward (kernels "fwd", "fwd_short") or of the whole backward, per length."""
+    def _time(self, runs: list[tuple[object, Workload]], kernel: Kernel) -> list[float]:
+        """Median ms of the forward (kernels "fwd", "fwd_short") or of the whole backward, per workload
+        (a module and its workload) and length."""
         import triton
 
-        lengths = self.lengths(kernel, w.spec.config("triton_gpu"))
         try:
-            return [_time_pass(module, w, kernel.name, seq) for seq in lengths]
+            return [
+                _time_pass(module, w, kernel.name, seq)
+                for module, w in runs
+                for seq in self.lengths(kernel, w.spec.config("triton_gpu"))
+            ]
         except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
             raise Rejected(str(e).strip().splitlines()[0][:120]) from e
 

@@ -9,13 +9,14 @@ FlashAttention-2 and cuDNN backends and compiled FlexAttention, each over the co
 `enable_gqa` and no mask (for T > 1 the causal mask among the T new tokens is omitted there: T << L,
 the same work), and FlexAttention's paged attention (torch's PagedAttention: 128-token pages, one
 per kv block of its block mask, allocated in random order). Ours reuse one workspace
-(`kvcache_workspace`), as a serving engine keeps one per stream. Each row is first checked
-against a float64 reference by attngen.exactness's rule; then timed with triton.testing.do_bench
-(median). GB/s count the K and V bytes read once (B * H_kv * L * 2 * D * 2 bytes) per call; % peak
-is against a device-to-device copy measured in the same run. Each call is also replayed from a
-CUDA graph, as serving engines run decoding (host time gone: it dominates short caches), beside a
-graph-replayed copy that moves the same bytes (what HBM gives a transfer that short), and its host
-time per eager call is reported.
+(`kvcache_workspace`), as a serving engine keeps one per stream. Each row is first checked against a
+float64 reference by attngen.exactness's rule; then timed with triton.testing.do_bench (median),
+each call once a round in turn with the others, the order reversed every other round, the median of
+the rounds (attngen.timing). GB/s count the K and V bytes read once (B * H_kv * L * 2 * D * 2 bytes)
+per call; % peak is against a device-to-device copy measured in the same run. Each call is also
+replayed from a CUDA graph, as serving engines run decoding (host time gone: it dominates short
+caches), beside a graph-replayed copy that moves the same bytes (what HBM gives a transfer that
+short), and its host time per eager call is reported.
 
     python bench/decode.py [--lens 1024,8192,32768,131072] [--tokens 1,4,16] [--batch 8]
 
@@ -25,6 +26,7 @@ Prints a table last; writes results.json to $OUT (or ./bench-out).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -45,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from attngen.build import import_generated, write_package
 from attngen.exactness import judge
 from attngen.spec import load_spec
+from attngen.timing import medians
 
 bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -244,24 +247,40 @@ def measure(module, flex, args, head_dim, length, generator):
         baseline = (reference(q[:2], k[:2], v[:2], torch.bfloat16) - exact).abs().max().item()
         row = {"len": length, "new_tokens": new_tokens, "batch": B, "heads": H, "kv_heads": Hkv, "impls": {},
                "same_size_copy_gb_s": same_size_copy}  # fmt: skip
+        calls = {}
         for name, fn in impls(module, flex, q, k, v, lens, pages, flex_paged).items():
             try:
                 out = fn()
-                err = (out[:2].double() - exact).abs().max().item()
-                # Peers run without the mask among the T new tokens: judged only at T = 1.
-                judged = name.startswith("ours") or new_tokens == 1
-                ok = judge("bfloat16", {"out": err}, {"out": baseline}).ok if judged else None
-                ms = bench(fn)
-                row["impls"][name] = {"ms": ms, "gb_s": bytes_read / ms / 1e6, "error": err, "exact": ok}
-                row["impls"][name]["host_us"] = host_time(fn)
             except Exception as e:  # noqa: BLE001  (a peer that cannot run this shape)
-                row["impls"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"}
+                row["impls"][name] = {"error": _first_line(e)}
                 continue
+            err = (out[:2].double() - exact).abs().max().item()
+            # Peers run without the mask among the T new tokens: judged only at T = 1.
+            judged = name.startswith("ours") or new_tokens == 1
+            ok = judge("bfloat16", {"out": err}, {"out": baseline}).ok if judged else None
+            row["impls"][name] = {"error": err, "exact": ok, "host_us": host_time(fn)}
+            calls[name] = fn
+
+        def failed(name, e, key, row=row):
+            row["impls"][name][key] = _first_line(e)
+
+        # Timed in rounds of alternating order (attngen.timing), eager and replayed from CUDA graphs.
+        eager = {name: functools.partial(bench, fn) for name, fn in calls.items()}
+        for name, ms in medians(eager, failed=functools.partial(failed, key="timing_error")).items():
+            row["impls"][name].update(ms=ms, gb_s=bytes_read / ms / 1e6)
+        replays = {}
+        for name, fn in calls.items():
             try:
-                row["impls"][name]["graph_gb_s"] = bytes_read / bench(graphed(fn)) / 1e6
+                replays[name] = functools.partial(bench, graphed(fn))
             except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture)
-                row["impls"][name]["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+                failed(name, e, "graph_error")
+        for name, ms in medians(replays, failed=functools.partial(failed, key="graph_error")).items():
+            row["impls"][name]["graph_gb_s"] = bytes_read / ms / 1e6
         yield row
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
 
 
 def host_time(fn, calls: int = 200) -> float:

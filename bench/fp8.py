@@ -1,7 +1,7 @@
 """The FP8 forward (attention_fp8, Hopper) against our bf16 forward and the peers, in one run on an H200.
 
 Rows: causal and full at D = 128 and 64, N = 4k / 8k / 16k, B·N = 16k tokens, H·D = 2048 (the grid
-of bench/speed.py). Each row times, with triton.testing.do_bench (median), the forward of:
+of bench/speed.py). Each row times the forward of:
   fp8         attention_fp8 on e4m3 q, k, v with per-head descales (the call: V's transposed copy,
               the descale table, the kernel),
   fp8 kernel  the same kernel alone, on a V^T made beforehand,
@@ -9,7 +9,9 @@ of bench/speed.py). Each row times, with triton.testing.do_bench (median), the f
   cuDNN, FA2  SDPA's backends in bf16.
 Before timing, the FP8 forward is checked at the row's length (one sequence, two heads, fresh
 inputs) by attngen.exactness's FP8 rule against float64 on the true values, and its error is shown
-beside that of our bf16 forward on the same values.
+beside that of our bf16 forward on the same values. Times: triton.testing.do_bench medians, each
+call timed once a round in turn with the others, the order reversed every other round, the median of
+the rounds (attngen.timing).
 
     python bench/fp8.py [--seqs 4096,8192,16384] [--head-dims 128,64] [--only causal,full]
 
@@ -19,6 +21,7 @@ Prints a table last; writes results.json to $OUT (or ./bench-out).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -35,6 +38,7 @@ from attngen.exactness import FP8, check_forward
 from attngen.reference import attention_ref_torch
 from attngen.spec import load_spec, retarget
 from attngen.testing import fp8_quantized
+from attngen.timing import medians
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS, HEADS_TIMES_DIM = 16384, 2048
@@ -97,13 +101,14 @@ def run_row(mask: str, head_dim: int, seq: int) -> dict:
         impls[name] = sdpa
     flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     timings = {}
-    with torch.no_grad():
-        for name, fn in impls.items():
-            try:
-                ms = time_ms(fn)
-                timings[name] = {"ms": ms, "tflops": flops / ms * 1e-9}
-            except Exception as e:  # noqa: BLE001  (a peer that cannot run this row is reported, not fatal)
-                timings[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+    def failed(name, e):
+        timings[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}  # a peer that cannot run this row
+
+    with torch.no_grad():  # in rounds of alternating order (attngen.timing)
+        calls = {name: functools.partial(time_ms, fn) for name, fn in impls.items()}
+        for name, ms in medians(calls, failed=failed).items():
+            timings[name] = {"ms": ms, "tflops": flops / ms * 1e-9}
     return {"mask": mask, "head_dim": head_dim, "seq": seq, "batch": batch, "heads": heads, "check": check,
             "timings": timings}  # fmt: skip
 

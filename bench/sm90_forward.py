@@ -2,15 +2,16 @@
 
 Rows: the grid of bench/speed.py (causal and full, bf16, D = 64 / 128, N = 1k / 4k / 16k at B·N =
 16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k (a full bias at 4k, its
-tensor growing as N²). Each row times, with triton.testing.do_bench (median), the forward and
-forward + backward of: ours with the Hopper kernels ("sm90": the Gluon forward, dQ and dK/dV kernels
-where they serve the call, as a spec's sm90_forward_min_keys sends short programs to the Triton
-forward), the same module with them turned off ("triton": SM90_FORWARD = SM90_DQ = SM90_BACKWARD = 0
-around the whole timed call, the Triton kernels alone), and the peers -- SDPA's cuDNN and
-FlashAttention-2 backends where they express the mask, else compiled FlexAttention. Before timing,
-each of our two forwards is checked against float64 at the row's length (one sequence, two heads,
-fresh inputs), by attngen.exactness's rule with the reference run in bf16 as the baseline; the
-gradients are proven in tests/test_gpu.py.
+tensor growing as N²). Each row times the forward and forward + backward of: ours with the Hopper
+kernels ("sm90": the Gluon forward, dQ and dK/dV kernels where they serve the call, as a spec's
+sm90_forward_min_keys sends short programs to the Triton forward), the same module with them turned
+off ("triton": SM90_FORWARD = SM90_DQ = SM90_BACKWARD = 0 around the whole timed call, the Triton
+kernels alone), and the peers -- SDPA's cuDNN and FlashAttention-2 backends where they express the
+mask, else compiled FlexAttention. Before timing, each of our two forwards is checked against
+float64 at the row's length (one sequence, two heads, fresh inputs), by attngen.exactness's rule
+with the reference run in bf16 as the baseline; the gradients are proven in tests/test_gpu.py.
+Times: triton.testing.do_bench medians, each call timed once a round in turn with the others, the
+order reversed every other round, the median of the rounds (attngen.timing).
 --graphs also times each call replayed from a CUDA graph, the kernels' time without the host's, and
 reports each eager call's host time: an eager forward + backward of ours spends 0.7-0.95 ms of it
 (Triton's launcher, the descriptors, autograd's device thread), so rows of less than ~1 ms measure
@@ -47,6 +48,7 @@ from attngen import load
 from attngen.exactness import judge
 from attngen.reference import attention_ref_torch
 from attngen.spec import load_spec, retarget, with_config
+from attngen.timing import medians
 
 ROOT = Path(__file__).resolve().parent.parent
 MASK_ROWS = ("sliding_window", "prefix_lm", "document", "chunked", "alibi_slopes", "relative_bias", "bias")
@@ -55,6 +57,12 @@ IMPLS = ("sm90", "triton", "cuDNN", "FA2", "Flex")
 
 def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def switched_time(switch, fn) -> float:
+    """time_ms of fn with `switch` (our kernels' switches, or nothing for a peer) on around it."""
+    with switch():
+        return time_ms(fn)
 
 
 def exact(spec, module, case, row: Row) -> dict:
@@ -126,23 +134,30 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool, graphs: bool) 
         compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
         impls["Flex"] = lambda *qkv: compiled(*qkv, score_mod=score_mod, block_mask=block_mask)
 
-    times = {}
+    # Each (implementation, mode) timed in rounds of alternating order (attngen.timing); ours under
+    # its switches for the whole call, so that the backward runs the same kernels as the forward.
+    eager, replays, host = {}, {}, {}
     for name, fn in impls.items():
         if name in checks and not checks[name]["ok"]:
             continue  # not exact: not timed
+        switch = switched.get(name, contextlib.nullcontext)
         calls = {
-            "fwd": lambda fn=fn: fn(q, k, v),
+            "fwd": functools.partial(fn, q, k, v),
             "fwd_bwd": lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout),
         }
-        with switched.get(name, contextlib.nullcontext)():
-            times[name] = {mode: time_ms(call) for mode, call in calls.items()}
-            if graphs:
-                for mode, call in calls.items():
-                    times[name][f"{mode}_host_us"] = host_time(call, calls=50)
-                    try:
-                        times[name][f"{mode}_graph"] = time_ms(graphed(call))
-                    except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture: not timed so)
-                        print(f"  {name} {mode}: no graph ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+        for mode, call in calls.items():
+            eager[name, mode] = functools.partial(switched_time, switch, call)
+            if not graphs:
+                continue
+            with switch():
+                host[name, f"{mode}_host_us"] = host_time(call, calls=50)
+                try:
+                    replays[name, f"{mode}_graph"] = functools.partial(time_ms, graphed(call))
+                except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture: not timed so)
+                    print(f"  {name} {mode}: no graph ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+    times = {}
+    for (name, key), value in {**medians(eager), **medians(replays), **host}.items():
+        times.setdefault(name, {})[key] = value
     return {"row": row.label, "case": case.name, "head_dim": head_dim, "seq": seq, "checks": checks, "ms": times}
 
 

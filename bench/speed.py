@@ -12,7 +12,9 @@ dim D and sequence length N, in one process:
    dtype. A peer is trusted when its error <= 5% of max(1, |ref|) (beyond that it computes another mask,
    not rounding). What fails is reported (FAIL / WRONG) and not timed.
 2. Speed. triton.testing.do_bench medians (warmup 25 ms, rep 100 ms) of the forward alone (inputs without
-   requires_grad) and of forward + torch.autograd.grad (fresh gradients, no accumulation).
+   requires_grad) and of forward + torch.autograd.grad (fresh gradients, no accumulation), each call timed
+   once a round in turn with the others, the order reversed every other round, the median of the rounds
+   (attngen.timing).
    TFLOP/s = 4 B H N^2 D x mask density / time (the exact fraction of visible (q, kv) pairs), x 3.5 for
    fwd+bwd.
 
@@ -84,6 +86,7 @@ from attngen.build import import_generated, write_package
 from attngen.exactness import judge
 from attngen.reference import attention_ref_torch, evaluate, positions
 from attngen.spec import Spec, load_spec, retarget
+from attngen.timing import ROUNDS, medians
 
 TOKENS = 16384  # B * N of every grid row
 HEADS_TIMES_DIM = 2048  # H * D: 32 heads at D=64, 16 at D=128
@@ -550,12 +553,14 @@ def run_row(bench: Bench, row: Row, seed: int | None) -> dict:
         "fwd_bwd": lambda fn: torch.autograd.grad(fn(*leaves), leaves, dout),
     }
     compiles_before_timing = compiles()
-    for name, fn in impls.items():
-        for mode in MODES:
-            entry = results[name][mode]
-            if entry["status"] == "ok":
-                entry["ms"] = bench.time_ms(functools.partial(timed[mode], fn))
-                entry["tflops"] = (3.5 if mode == "fwd_bwd" else 1.0) * flops / entry["ms"] * 1e-9
+    calls = {
+        (name, mode): functools.partial(bench.time_ms, functools.partial(timed[mode], fn))
+        for name, fn in impls.items()
+        for mode in MODES
+        if results[name][mode]["status"] == "ok"
+    }
+    for (name, mode), ms in medians(calls).items():  # in rounds of alternating order (attngen.timing)
+        results[name][mode].update(ms=ms, tflops=(3.5 if mode == "fwd_bwd" else 1.0) * flops / ms * 1e-9)
     flex_recompiles = compiles() - compiles_before_timing
     if not bench.smoke and (flex_graphs == 0 or flex_recompiles):
         # No inductor kernel (eager FlexAttention), or compiled while timed: not a measurement of FlexAttention.
@@ -625,9 +630,8 @@ def environment(bench: Bench) -> dict:
             if bench.smoke
             else "SDPA FLASH_ATTENTION (FA2), SDPA CUDNN_ATTENTION, torch.compile(flex_attention) default options"
         ),
-        "timing": "perf_counter median of 3"
-        if bench.smoke
-        else "triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
+        "timing": ("perf_counter median of 3" if bench.smoke else "triton.testing.do_bench median, warmup 25 ms, rep 100 ms")
+        + f", median of {ROUNDS} rounds of alternating order",
     }
 
 

@@ -157,8 +157,8 @@ def test_a_candidate_that_faults_the_gpu_ends_the_tune_clearly_and_loses_no_entr
             faulted.append(True)
             raise tune_module.Rejected("Triton Error [CUDA]: an illegal memory access was encountered")
 
-    def time(self, module, w, kernel):
-        return [1.0 if w.spec.config("triton_gpu").num_stages == 2 else 2.0]
+    def time(self, runs, kernel):
+        return [1.0 if w.spec.config("triton_gpu").num_stages == 2 else 2.0 for module, w in runs]
 
     def synchronize(*args):
         if faulted:
@@ -191,7 +191,8 @@ def _timed_search(monkeypatch, times, space_size=3):
     space = [table, *(c for c in search_space(kernel, quick=False) if c != table)][:space_size]
     order = []
 
-    def time(self, module, w, kernel):
+    def time(self, runs, kernel):
+        ((module, _),) = runs
         order.append(module)
         return [times[module][sum(1 for m in order if m == module) - 1]]
 
@@ -211,16 +212,16 @@ def test_candidates_are_timed_in_rounds_of_alternating_order_and_scored_by_their
     from attngen import tune as tune_module
 
     # Candidate 1's second round is an outlier; its median (1.0) still beats the table's (1.5).
-    best, order = _timed_search(monkeypatch, [[1.5, 1.5, 1.5], [1.0, 9.0, 1.0], [1.2, 1.2, 1.2]])
-    assert order == [0, 1, 2, 2, 1, 0, 0, 1, 2][: 3 * tune_module.ROUNDS]
+    best, order = _timed_search(monkeypatch, [[1.5] * 4, [1.0, 9.0, 1.0, 1.0], [1.2] * 4])
+    assert tune_module.ROUNDS == 4 and order == [0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0]
     assert best == 1
 
 
 def test_a_winner_within_the_noise_keeps_the_tables_configuration(monkeypatch):
     """Timing the same kernel twice differs by up to 2-3 %: a candidate must beat the table's
     configuration (candidate 0) by more than MIN_GAIN to replace it."""
-    assert _timed_search(monkeypatch, [[1.0] * 3, [0.99] * 3, [1.1] * 3])[0] == 0
-    assert _timed_search(monkeypatch, [[1.0] * 3, [0.95] * 3, [1.1] * 3])[0] == 1
+    assert _timed_search(monkeypatch, [[1.0] * 4, [0.99] * 4, [1.1] * 4])[0] == 0
+    assert _timed_search(monkeypatch, [[1.0] * 4, [0.95] * 4, [1.1] * 4])[0] == 1
 
 
 def test_tune_needs_a_gpu_and_every_param(capsys):
