@@ -387,6 +387,40 @@ def test_tensors_of_more_than_2_31_elements():
     assert_forward("bfloat16", out[last], lse[last], ref_out, ref_lse, base_out)
 
 
+def test_a_launch_bound_once_takes_a_kernel_compiled_for_arguments_like_its_own():
+    """Eager calls launch a kernel compiled for earlier arguments only where Triton would have picked
+    it too (_launch): after an aligned q and a cache of 1024 keys, a q 2 bytes off 16-byte alignment
+    and a cache of 1000 keys (lengths and strides no multiple of 16) each take a kernel of their own,
+    exact, and a repeated call reuses its kernel, bit for bit."""
+    spec = load_spec("specs/causal.toml")
+    module = harness.load_target(spec, "triton_gpu")
+    module._LAUNCHES.clear()
+    full = load_spec("specs/full.toml")
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    batch, heads, kv_heads = 2, 8, 2
+    outputs = []
+    for length, offset in ((1024, 0), (1024, 1), (1000, 0), (1024, 0)):
+        k, v = (
+            torch.randn(batch, kv_heads, length, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+            for _ in range(2)
+        )
+        storage = torch.randn(batch * heads * 128 + offset, device="cuda", generator=generator, dtype=torch.bfloat16)
+        q = storage[offset:].view(batch, heads, 1, 128)
+        assert (q.data_ptr() % 16 == 0) == (offset == 0)
+        lens = torch.tensor([length, length - 3], dtype=torch.int32, device="cuda")
+        out, lse = module.attention_with_kvcache(q, k, v, lens, return_lse=True)
+        for b, n in enumerate(lens.tolist()):  # one new token sees every key of its sequence
+            keys, values = (x[b : b + 1, :, :n].repeat_interleave(heads // kv_heads, 1) for x in (k, v))
+            ref_out, ref_lse = attention_ref_torch(full, q[b : b + 1], keys, values, dtype=torch.float64)
+            base_out, _ = attention_ref_torch(full, q[b : b + 1], keys, values, dtype=torch.bfloat16)
+            assert_forward("bfloat16", out[b : b + 1], lse[b : b + 1], ref_out, ref_lse, base_out)
+        outputs.append((q, k, v, lens, out))
+        decode_kernels = [key for key in module._LAUNCHES if key[0] is module._decode_fwd]
+        assert len(decode_kernels) == min(len(outputs), 3)
+    q, k, v, lens, out = outputs[-1]
+    assert torch.equal(module.attention_with_kvcache(q, k, v, lens), out)
+
+
 @pytest.mark.parametrize("name", ["causal", "alibi_slopes"])
 def test_non_finite_inputs_on_the_gpu(name):
     """NaN in q, +-inf or NaN in k: non-finite exactly where the float64 reference is, the other

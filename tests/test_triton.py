@@ -91,3 +91,79 @@ def test_rows_with_no_visible_key():
     dq, dk, dv = harness.run_triton_grad(spec, p, c)
     assert (dq[:, :, :40] == 0).all() and (dk[:, :, 30:] == 0).all() and (dv[:, :, 30:] == 0).all()
     harness.assert_grads_exact(spec, p, c, (dq, dk, dv))
+
+
+def test_a_launch_is_keyed_by_what_tritons_binder_reads_of_its_arguments():
+    """_launch reuses a compiled kernel for arguments whose _specialization is the same: that must
+    hold exactly where Triton's own binder specializes them alike (ints by class, tensors by dtype
+    and 16-byte alignment, descriptors by dtype, block shape and layout), or a call would run a kernel
+    compiled for other arguments."""
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+
+    module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
+    x = torch.empty(4, 16, 64, 128, dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gl.bfloat16)
+    descriptor = lambda t, rows: module._NvmmaTileDescriptor(
+        t, list(t.shape), list(t.stride()), [1, 1, rows, 128], module._nvmma_layout(rows, 128, t.dtype)
+    )
+    values = [
+        *(1, 0, 2, 15, 16, 17, 32, -16, -5, 2**31 - 16, 2**31, 2**31 + 1, -(2**31), -(2**31) - 16, 2**62, 2**63 + 16),
+        *(0.5, True, False, None),
+        *(x, x[:, :, 1:], x.float(), torch.empty(3, dtype=torch.bfloat16)[1:], x.to(torch.float16)),
+        *(descriptor(x, 64), descriptor(x[:, 1:], 64), descriptor(x, 128), descriptor(x.half(), 64)),
+        module.TensorDescriptor.from_tensor(x, [1, 1, 64, 128]),
+    ]
+    assert layout == module._nvmma_layout(64, 128, torch.bfloat16)
+    triton_key = lambda v: native_specialize_impl(BaseBackend, v, False, True, True)
+    for a in values:
+        for b in values:
+            same = module._specialization((a,)) == module._specialization((b,))
+            assert same == (triton_key(a) == triton_key(b)), (a if not hasattr(a, "shape") else a.shape, b)
+    assert module._specialization((x, object())) is None  # anything else: Triton's own launch
+
+
+def test_a_launch_binds_once_then_calls_the_compiled_kernel(monkeypatch):
+    """The first launch of a kernel for some arguments goes through Triton (which compiles and
+    launches it); later launches with arguments specialized alike call its launcher directly, with
+    every argument in the kernel's order on the current stream; others go through Triton again."""
+    import torch
+
+    module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
+    launched = []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args):
+            launched.append(("direct", args))
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+    class Kernel:
+        arg_names = ("x", "n", "BLOCK")
+
+        def __init__(self):
+            self.used_global_vals = {("LIMIT", 0): (4, vars(module))}
+
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.append(("triton", grid, args, constants)) or Compiled()
+
+    monkeypatch.setattr(module, "_BIND_ONCE", True)
+    monkeypatch.setattr(module, "_LAUNCHES", {})
+    monkeypatch.setattr(module, "LIMIT", 4, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)  # (CPU builds lack it)
+    kernel, x = Kernel(), torch.zeros(8)
+    module._launch(kernel, (2, 3), x, 32, BLOCK=16, num_warps=4)
+    module._launch(kernel, (2, 3), x, 48, BLOCK=16, num_warps=4)  # 48: a multiple of 16 as well
+    module._launch(kernel, (2, 3), x, 33, BLOCK=16, num_warps=4)  # another class of int
+    monkeypatch.setattr(module, "LIMIT", 5)  # a global the kernel read changed: Triton's launch (which raises)
+    module._launch(kernel, (2,), x, 48, BLOCK=16, num_warps=4)
+    assert [entry[0] for entry in launched] == ["triton", "direct", "triton", "triton"]
+    hooks = module.triton.knobs.runtime
+    direct = (2, 3, 1, 77, "function", "metadata", None, hooks.launch_enter_hook, hooks.launch_exit_hook, x, 48, 16)
+    assert launched[1][1] == direct

@@ -180,6 +180,73 @@ def _on_their_device(launcher):
     return on_their_device
 
 
+_LAUNCHES = {}  # (kernel, device, _specialization, constants, knobs) -> (Triton's compiled kernel, constants' order)
+_BIND_ONCE = not triton.knobs.runtime.interpret  # (the interpreter has no compiled kernels)
+_DESCRIPTORS = (TensorDescriptor, NvmmaTensorDescriptor)
+
+
+def _launch(kernel, grid, *args, **constants):
+    """kernel[grid](*args, **constants), launched without Triton's binding once Triton has compiled
+    the kernel for arguments like these. Triton's launch binds every argument and derives its cache
+    key at each call: host time that an eager decode step or a short forward waits for. Without it,
+    on the H200's host, an eager forward takes 77 us of host time instead of 92, forward + backward
+    643 instead of 730, a decode step 113 instead of 119 (BENCHMARKS.md, 2026-12-04). Which compiled
+    kernel serves a call depends on its arguments only through _specialization, so that, the device,
+    the constants (num_warps and num_stages among them) and Triton's debug knobs key it; the launch
+    itself is Triton's compiled launcher, given every argument in the kernel's order. As in Triton,
+    the globals the kernel read when compiled must not have changed (else Triton's launch raises)."""
+    specialization = _specialization(args) if _BIND_ONCE else None
+    if specialization is None:
+        return kernel[grid](*args, **constants)
+    device = torch.cuda.current_device()
+    knobs = triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode  # (in Triton's key too)
+    key = (kernel, device, specialization, tuple(constants.items()), knobs)
+    bound = _LAUNCHES.get(key)
+    if bound is None or not _globals_unchanged(kernel):
+        compiled = kernel[grid](*args, **constants)
+        names = kernel.arg_names[len(args):]
+        if all(name in constants for name in names):  # (else a default fills a parameter: not bound here)
+            _LAUNCHES[key] = compiled, names
+        return compiled
+    compiled, names = bound
+    arguments = (*args, *(constants[name] for name in names))
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    grid = (*grid, 1, 1)[:3]
+    hooks = triton.knobs.runtime
+    compiled.run(
+        *grid, stream, compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *arguments),
+        hooks.launch_enter_hook, hooks.launch_exit_hook, *arguments,
+    )
+    return compiled
+
+
+def _globals_unchanged(kernel):
+    """Whether the module globals `kernel` read when compiled still hold those values (Triton checks
+    it at each launch, and raises where one changed)."""
+    return all(name in scope and scope[name] == value for (name, _), (value, scope) in kernel.used_global_vals.items())
+
+
+def _specialization(args):
+    """What Triton's binder reads of a launch's positional arguments to pick its compiled kernel:
+    each tensor's dtype and whether its address is 16-byte aligned, each int's class (1, a multiple
+    of 16, 32-bit or 64-bit), the type of a float or bool, None, each tensor descriptor's dtype,
+    block shape and shared-memory layout. None for any other argument: Triton's own launch then."""
+    key = []
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            key.append((arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63))
+        elif isinstance(arg, torch.Tensor):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif kind is float or kind is bool or arg is None:
+            key.append(kind)
+        elif isinstance(arg, _DESCRIPTORS):
+            key.append((kind, arg.base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None)))
+        else:
+            return None
+    return tuple(key)
+
+
 def _stream_key(device):
     """The key of buffers that eager calls on `device`'s current stream keep and share across calls
     (launches on one stream run one after another): (device, the stream's handle; None on the CPU).
@@ -910,7 +977,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_
         stages = DECODE_NUM_STAGES_HIP
     elif paged:
         stages = DECODE_NUM_STAGES_PAGED
-    _decode_fwd[(num_splits, batch * kv_heads, row_blocks)](
+    _launch(
+        _decode_fwd, (num_splits, batch * kv_heads, row_blocks),
         q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done,
         cache_seqlens, table, heads, new_tokens, capacity, k_cache.shape[0],
         table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
@@ -2346,7 +2414,8 @@ def _forward(q, k, v, scale, params, descale=None):
     elif out.numel() > 0:
         block_m, block_n, warps, stages = _tiles("SHORT_" if kv_len <= SHORT_KV_LEN else "", q.device)
         grid = (_cdiv(q_len, block_m), batch * heads)
-        _attention_fwd[grid](
+        _launch(
+            _attention_fwd, grid,
             _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV), _descriptor(out, block_m, BLOCK_DV), lse,
             heads, q_len, kv_len, scale, *params, GROUP=group,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, TMA=_tma(q.device),
@@ -2369,7 +2438,8 @@ def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
     rows = 64  # per consumer warpgroup: wgmma's tile height
     programs, counter = _sm90_programs(_cdiv(q_len, block_m) * batch * heads, q.device)
     kv_head_bytes = kv_len * (BLOCK_D + BLOCK_DV) * k.element_size()  # each kv head serves `group` heads
-    _attention_fwd_sm90[(programs,)](
+    _launch(
+        _attention_fwd_sm90, (programs,),
         _nvmma_descriptor(q, rows), _nvmma_descriptor(k, block_n), v_desc, _nvmma_descriptor(out, rows, BLOCK_DV), lse,
         descale, counter, heads, q_len, kv_len, scale, batch * heads,
         _sm90_section(batch * heads, kv_head_bytes, group), *params, GROUP=group, BLOCK_M=block_m,
@@ -2411,7 +2481,8 @@ def _fp8_transposed(v):
         # As bytes: torch's own strided copy moves 1-byte elements at a tenth of the bandwidth.
         source, target = v.view(torch.uint8), transposed.view(torch.uint8)
         columns = min(64, SM90_FP8_BLOCK_N)  # a program's, dividing the padded keys
-        _transpose_keys[(blocks * SM90_FP8_BLOCK_N // columns, batch * kv_heads)](
+        _launch(
+            _transpose_keys, (blocks * SM90_FP8_BLOCK_N // columns, batch * kv_heads),
             source, target, kv_heads, kv_len, *source.stride()[:3], *target.stride()[:3], WIDTH=BLOCK_DV,
             BLOCK_N=SM90_FP8_BLOCK_N, BLOCK=columns,
         )
@@ -2442,7 +2513,8 @@ def _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
     batch, heads, q_len, _ = q.shape
     group, kv_len = heads // k.shape[1], k.shape[2]
     block_m, block_n, warps, stages = _tiles("DQ_", q.device)
-    _attention_bwd_dq[(_cdiv(q_len, block_m), batch * heads)](
+    _launch(
+        _attention_bwd_dq, (_cdiv(q_len, block_m), batch * heads),
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV),
         _descriptor(out, block_m, BLOCK_DV), _descriptor(dout, block_m, BLOCK_DV), lse, _dlse_rows(dlse), delta,
         _descriptor(dq, block_m),
@@ -2459,7 +2531,8 @@ def _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
     block_m, block_n, warps, stages = _tiles("SM90_DQ_", q.device)
     programs, counter = _sm90_programs(_cdiv(q_len, block_m) * batch * heads, q.device)
     kv_head_bytes = kv_len * (BLOCK_D + BLOCK_DV) * k.element_size()  # each kv head serves `group` heads
-    _attention_bwd_dq_sm90[(programs,)](
+    _launch(
+        _attention_bwd_dq_sm90, (programs,),
         _nvmma_descriptor(q, 64), _nvmma_descriptor(k, block_n), _nvmma_descriptor(v, block_n, BLOCK_DV),  # 64 queries
         _nvmma_descriptor(out, 64, BLOCK_DV), _nvmma_descriptor(dout, 64, BLOCK_DV), lse, _dlse_rows(dlse), delta,
         _nvmma_descriptor(dq, 64), dq, counter, heads, q_len, kv_len, scale, batch * heads,
@@ -2504,7 +2577,8 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         units = batch * kv_heads * splits
         programs, counter = _sm90_programs(kv_blocks * units, q.device)
         unit_bytes = group // splits * q_len * (BLOCK_D + BLOCK_DV) * q.element_size()  # its Q and dO
-        _attention_bwd_dkdv_sm90[(programs,)](
+        _launch(
+            _attention_bwd_dkdv_sm90, (programs,),
             _nvmma_descriptor(q, block_m), _nvmma_descriptor(k, 64), _nvmma_descriptor(v, 64, BLOCK_DV),  # 64-key tiles
             _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts, counter,
             heads, q_len, kv_len, scale, units, _sm90_section(units, unit_bytes), *params, GROUP=group,
@@ -2516,7 +2590,8 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
             dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
             dv.copy_(dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2))
         return dq, dk, dv
-    _attention_bwd_dkdv[grid](
+    _launch(
+        _attention_bwd_dkdv, grid,
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n, BLOCK_DV),
         _descriptor(dout, block_m, BLOCK_DV), lse, delta,
         _descriptor(dk_parts, block_n), _descriptor(dv_parts, block_n, BLOCK_DV),
