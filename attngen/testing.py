@@ -117,6 +117,8 @@ def fp8_quantized(x, kv_heads: int, per_head: bool = True):
     groups = x.float().reshape(batch, kv_heads, -1).abs()
     amax = groups.amax(-1) if per_head else groups.amax()
     descale = amax.clamp_min(1e-30) / 448.0
-    expanded = (descale.repeat_interleave(heads // kv_heads, 1) if per_head else descale.expand(batch, heads))[..., None, None]
+    expanded = (descale.repeat_interleave(heads // kv_heads, 1) if per_head else descale.expand(batch, heads))[
+        ..., None, None
+    ]
     x8 = (x.float() / expanded).to(torch.float8_e4m3fn)
     return x8, descale, x8.float() * expanded

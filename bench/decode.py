@@ -154,7 +154,9 @@ def main() -> None:
     for r in rows:
         measured = r["impls"]
         cells = [
-            f"{measured[n]['graph_gb_s']:6.0f} ({measured[n]['host_us']:4.0f} us)" if "graph_gb_s" in measured[n] else "–"
+            f"{measured[n]['graph_gb_s']:6.0f} ({measured[n]['host_us']:4.0f} us)"
+            if "graph_gb_s" in measured[n]
+            else "–"
             for n in graph_names
         ]
         ratios = [_ratio(measured, "ours", peer, "graph_gb_s") for peer in ("FA2", "cuDNN")]

@@ -119,7 +119,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         t = {name: r["timings"].get(name, {}).get("tflops") for name in IMPLS}
-        ratio = lambda a, b: f"{t[a] / t[b]:.2f}" if t[a] and t[b] else "-"
+        ratio = lambda a, b, t=t: f"{t[a] / t[b]:.2f}" if t[a] and t[b] else "-"
         cells = [r["mask"], r["head_dim"], r["seq"]] + [f"{t[name]:.0f}" if t[name] else "-" for name in IMPLS]
         cells += [ratio("fp8", "bf16"), ratio("fp8 kernel", "bf16"), ratio("fp8", "cuDNN")]
         check = r["check"]

@@ -195,7 +195,7 @@ def generation(model: Model, names: dict, prompt_len: int, new_tokens: int) -> d
         for impl, m in zip(model.impls, models(model, [names[i] for i in model.impls]), strict=True):
             m = m.eval().to(torch.bfloat16)
             error = ((cache_step_logits(m, prompt, steps) - ref).norm() / ref.norm()).item()
-            settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            settings = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
             m.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)  # warm-up: compiles the kernels
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -293,6 +293,7 @@ def generation_table(chosen, prompt_len: int, new_tokens: int, env: dict, out_di
             row = f"{r['model']:13} {r['batch']:5} {impl:8} {g['logits_error']:10.2e} {rate:9.0f}"
             print(f"{row} {speed[0]:>6} {speed[1]:>7}")
         print(f"{r['model']:13} attngen's cache steps within twice the peers' error: {r['generation']['ok']}")
+
 
 if __name__ == "__main__":
     main()

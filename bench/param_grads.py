@@ -105,7 +105,11 @@ def row(name: str, length: int, flex) -> dict:
         torch.randn(1, HEADS, length, DIM, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4)
     )
     shape = {"slopes": (HEADS,), "rel": (HEADS, BUCKETS)}.get(name, (1, HEADS, length, length))
-    value = torch.rand(shape, device="cuda", generator=g) * 0.05 if name == "slopes" else torch.randn(shape, device="cuda", generator=g)
+    value = (
+        torch.rand(shape, device="cuda", generator=g) * 0.05
+        if name == "slopes"
+        else torch.randn(shape, device="cuda", generator=g)
+    )
     causal = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, length, length)
 
     def timed(make, with_param):

@@ -205,14 +205,14 @@ def main() -> None:
             ratios = " ".join(f"{ratio(r['ms'], mode, p):>7}" for p in ("triton", "cuDNN", "FA2", "Flex"))
             print(f"{r['row']:44} {mode:13} {cells}  {ratios}")
     if args.graphs:
-        print(f"\nhost time of an eager call (us; launches queued without waiting)\n{'row':44} {'mode':13} "
-              + " ".join(f"{i:>7}" for i in IMPLS))
+        print(
+            f"\nhost time of an eager call (us; launches queued without waiting)\n{'row':44} {'mode':13} "
+            + " ".join(f"{i:>7}" for i in IMPLS)
+        )
         for r in results:
             for mode in ("fwd", "fwd_bwd"):
                 key = f"{mode}_host_us"
-                cells = " ".join(
-                    f"{r['ms'][i][key]:7.0f}" if key in r["ms"].get(i, {}) else f"{'–':>7}" for i in IMPLS
-                )
+                cells = " ".join(f"{r['ms'][i][key]:7.0f}" if key in r["ms"].get(i, {}) else f"{'–':>7}" for i in IMPLS)
                 print(f"{r['row']:44} {mode:13} {cells}")
 
 

@@ -630,7 +630,9 @@ def environment(bench: Bench) -> dict:
             if bench.smoke
             else "SDPA FLASH_ATTENTION (FA2), SDPA CUDNN_ATTENTION, torch.compile(flex_attention) default options"
         ),
-        "timing": ("perf_counter median of 3" if bench.smoke else "triton.testing.do_bench median, warmup 25 ms, rep 100 ms")
+        "timing": (
+            "perf_counter median of 3" if bench.smoke else "triton.testing.do_bench median, warmup 25 ms, rep 100 ms"
+        )
         + f", median of {ROUNDS} rounds of alternating order",
     }
 

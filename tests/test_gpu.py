@@ -353,7 +353,12 @@ def test_the_last_split_merges_exactly_and_repeatably_on_the_gpu():
             base_out, _ = attention_ref_torch(causal, queries, keys, values, dtype=torch.bfloat16)
             tail = slice(n - 2, n)
             assert_forward(
-                "bfloat16", out[b : b + 1], lse[b : b + 1], ref_out[:, :, tail], ref_lse[:, :, tail], base_out[:, :, tail]
+                "bfloat16",
+                out[b : b + 1],
+                lse[b : b + 1],
+                ref_out[:, :, tail],
+                ref_lse[:, :, tail],
+                base_out[:, :, tail],
             )
 
 

@@ -101,8 +101,14 @@ def test_greedy_generation_through_the_cache_matches_eager_attention(model_name)
     eager, ours = _models(make, config, name)
     prompt = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
     runs = [
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
-                       output_logits=True, return_dict_in_generate=True)
+        model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=4,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         for model in (ours, eager)
     ]
     assert torch.equal(runs[0].sequences, runs[1].sequences)

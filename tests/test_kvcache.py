@@ -242,8 +242,14 @@ def test_a_reused_workspace_gives_the_same_bits_and_is_left_zero():
     before = k_cache.clone()
     with pytest.raises(ValueError, match="the workspace counts 1"):
         module.attention_with_kvcache(
-            q, k_cache, v_cache, lens - 3, k=torch.randn(2, 2, 3, 32), v=torch.randn(2, 2, 3, 32),
-            window=40, workspace=module.kvcache_workspace("cpu", tiles=1),
+            q,
+            k_cache,
+            v_cache,
+            lens - 3,
+            k=torch.randn(2, 2, 3, 32),
+            v=torch.randn(2, 2, 3, 32),
+            window=40,
+            workspace=module.kvcache_workspace("cpu", tiles=1),
         )
     assert torch.equal(k_cache, before)
 

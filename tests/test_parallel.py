@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
+from attngen.errors import SpecError
 from attngen.exactness import assert_forward, assert_grads
 from attngen.parallel import ShardedSpec, chunk_sizes, global_length, local_length, pieces
 from attngen.reference import attention_ref_torch
-from attngen.errors import SpecError
 from attngen.spec import load_spec, parse_spec, retarget, with_config
 
 LENGTH, HEADS, KV_HEADS, DIM = 75, 4, 2, 32
@@ -254,7 +254,7 @@ def test_the_sharded_form_trains_what_reads_no_position():
     assert ShardedSpec.of(small("alibi_slopes")).form.grad_params == ("slopes",)
     text = Path(load_spec("specs/bias.toml").path).read_text() + '\n[grad]\nparams = ["bias"]\n'
     with pytest.raises(SpecError, match=r"trains bias, read at each \(query, key\) pair"):
-        ShardedSpec.of(parse_spec(text)).form
+        _ = ShardedSpec.of(parse_spec(text)).form  # (a property: refuses when read)
 
 
 if __name__ == "__main__":  # the JAX test's subprocess: XLA_FLAGS set before jax starts

@@ -106,7 +106,16 @@ def test_trained_params_get_exact_gradients(target, relative):
 
         def loss(q, k, v, cap, slopes, bias, rel):
             out, lse = module.attention(
-                q, k, v, return_lse=True, interpret=True, cap=cap, slopes=slopes, bias=bias, rel=rel, shift=arrays["shift"]
+                q,
+                k,
+                v,
+                return_lse=True,
+                interpret=True,
+                cap=cap,
+                slopes=slopes,
+                bias=bias,
+                rel=rel,
+                shift=arrays["shift"],
             )
             return (out * do.numpy()).sum(), (out, lse)
 

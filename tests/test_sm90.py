@@ -107,7 +107,9 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
     assert enabled(64, "bfloat16") == (1, 1, 1)
     # Three consumers (192 queries a program) for plain attention at heads of 64, two elsewhere.
     rows = {
-        (name, head_dim): retarget(load_spec(f"specs/{name}.toml"), head_dim, "bfloat16").config("triton_gpu").sm90_block_m
+        (name, head_dim): retarget(load_spec(f"specs/{name}.toml"), head_dim, "bfloat16")
+        .config("triton_gpu")
+        .sm90_block_m
         for name in ("full", "causal", "softcap")
         for head_dim in (64, 128)
     }

@@ -159,6 +159,8 @@ _FORWARD = {
     ),
     "constexprs": (("GROUP", 1),),
 }
+
+
 def _forward_sm90(element: str = "") -> dict:
     """The Hopper forward's declaration, over inputs of the spec's dtype or of FP8 e4m3 (then V
     transposed, its keys the tiles' columns, and DESCALE: [batch, kv_heads, 2] float32)."""
