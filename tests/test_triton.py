@@ -163,7 +163,10 @@ def test_a_launch_binds_once_then_calls_the_compiled_kernel(monkeypatch):
     module._launch(kernel, (2, 3), x, 33, BLOCK=16, num_warps=4)  # another class of int
     monkeypatch.setattr(module, "LIMIT", 5)  # a global the kernel read changed: Triton's launch (which raises)
     module._launch(kernel, (2,), x, 48, BLOCK=16, num_warps=4)
-    assert [entry[0] for entry in launched] == ["triton", "direct", "triton", "triton"]
+    monkeypatch.setattr(module, "LIMIT", 4)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # traced: Triton's launch, which it knows
+    module._launch(kernel, (2, 3), x, 48, BLOCK=16, num_warps=4)
+    assert [entry[0] for entry in launched] == ["triton", "direct", "triton", "triton", "triton"]
     hooks = module.triton.knobs.runtime
     direct = (2, 3, 1, 77, "function", "metadata", None, hooks.launch_enter_hook, hooks.launch_exit_hook, x, 48, 16)
     assert launched[1][1] == direct

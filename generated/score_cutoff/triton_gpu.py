@@ -199,7 +199,8 @@ def _launch(kernel, grid, *args, **constants):
     the constants (num_warps and num_stages among them) and Triton's debug knobs key it; the launch
     itself is Triton's compiled launcher, given every argument in the kernel's order. As in Triton,
     the globals the kernel read when compiled must not have changed (else Triton's launch raises)."""
-    specialization = _specialization(args) if _BIND_ONCE else None
+    # (torch.compile, where it traces a call, traces Triton's own launch)
+    specialization = None if not _BIND_ONCE or torch.compiler.is_compiling() else _specialization(args)
     if specialization is None:
         return kernel[grid](*args, **constants)
     device = torch.cuda.current_device()
