@@ -35,10 +35,11 @@ bias at N <= 4k) at the largest D and N; grouped-query attention, causal at the 
 with 4 kv heads and with 1 (GQA-4 and MQA: SDPA with enable_gqa, FlexAttention with enable_gqa; exactness
 on kv head 0 and its whole group of query heads). First call of each freshly
 generated kernel (build + Triton JIT of fwd, dQ, dK/dV + first runs) reported; the process uses a fresh
-TRITON_CACHE_DIR unless one is set, so that it is a real JIT (Flex's kernels compile cold too). Measured:
-about 150 s per dtype for the grid and the masks, 110 s for the 8 mask and variant rows at D=128,
-N=16k; two FlexAttention compiles per row are most of it. Each row prints its time and what is left;
-if 600 s is too short, split the run (--dtypes bf16, then --dtypes fp16).
+TRITON_CACHE_DIR unless one is set, so that it is a real JIT (Flex's kernels compile cold too). Measured
+with one timing per call: about 150 s per dtype for the grid and the masks, 110 s for the 8 mask and
+variant rows at D=128, N=16k; two FlexAttention compiles per row are most of it. The four rounds time
+each call three times more (about 0.4 s more per call and mode). Each row prints its time and what is
+left; if 600 s is too short, split the run (--dtypes bf16, then --dtypes fp16).
 
     python bench/speed.py [--quick] [--only SUBSTR] [--dtypes bf16,fp16] [--seqs 1024,4096,16384]
                           [--heads-dims 128,64] [--seed INT] [--out DIR]
