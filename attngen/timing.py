@@ -53,3 +53,11 @@ def medians(
 ) -> dict[K, float]:
     """The median over the rounds of each call's time (each call returns the time it measured)."""
     return {key: statistics.median(times) for key, times in in_rounds(calls, rounds, failed).items()}
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    """The benchmarks' time of one call on the GPU: triton.testing.do_bench's median, 25 ms of warm-up
+    and 100 ms of calls (each after an L2 flush)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")

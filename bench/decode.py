@@ -47,9 +47,7 @@ sys.path.insert(0, str(ROOT))
 from attngen.build import import_generated, write_package
 from attngen.exactness import judge
 from attngen.spec import load_spec
-from attngen.timing import medians
-
-bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+from attngen.timing import median_ms, medians
 
 
 def copy_bandwidth(moved: int = 2**33, graph: bool = False) -> float:
@@ -59,7 +57,7 @@ def copy_bandwidth(moved: int = 2**33, graph: bool = False) -> float:
     source = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
     copy = lambda: target.copy_(source)
-    return moved / bench(graphed(copy) if graph else copy) / 1e6
+    return moved / median_ms(graphed(copy) if graph else copy) / 1e6
 
 
 def paged(k: torch.Tensor, v: torch.Tensor, page_size: int, generator):
@@ -267,13 +265,13 @@ def measure(module, flex, args, head_dim, length, generator):
             row["impls"][name][key] = _first_line(e)
 
         # Timed in rounds of alternating order (attngen.timing), eager and replayed from CUDA graphs.
-        eager = {name: functools.partial(bench, fn) for name, fn in calls.items()}
+        eager = {name: functools.partial(median_ms, fn) for name, fn in calls.items()}
         for name, ms in medians(eager, failed=functools.partial(failed, key="timing_error")).items():
             row["impls"][name].update(ms=ms, gb_s=bytes_read / ms / 1e6)
         replays = {}
         for name, fn in calls.items():
             try:
-                replays[name] = functools.partial(bench, graphed(fn))
+                replays[name] = functools.partial(median_ms, graphed(fn))
             except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture)
                 failed(name, e, "graph_error")
         for name, ms in medians(replays, failed=functools.partial(failed, key="graph_error")).items():

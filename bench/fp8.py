@@ -38,15 +38,11 @@ from attngen.exactness import FP8, check_forward
 from attngen.reference import attention_ref_torch
 from attngen.spec import load_spec, retarget
 from attngen.testing import fp8_quantized
-from attngen.timing import medians
+from attngen.timing import median_ms, medians
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS, HEADS_TIMES_DIM = 16384, 2048
 IMPLS = ("fp8", "fp8 kernel", "bf16", "cuDNN", "FA2")
-
-
-def time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def quantized(shape, generator):
@@ -106,7 +102,7 @@ def run_row(mask: str, head_dim: int, seq: int) -> dict:
         timings[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}  # a peer that cannot run this row
 
     with torch.no_grad():  # in rounds of alternating order (attngen.timing)
-        calls = {name: functools.partial(time_ms, fn) for name, fn in impls.items()}
+        calls = {name: functools.partial(median_ms, fn) for name, fn in impls.items()}
         for name, ms in medians(calls, failed=failed).items():
             timings[name] = {"ms": ms, "tflops": flops / ms * 1e-9}
     return {"mask": mask, "head_dim": head_dim, "seq": seq, "batch": batch, "heads": heads, "check": check,

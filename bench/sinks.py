@@ -27,13 +27,10 @@ from attngen import load
 from attngen.exactness import judge
 from attngen.reference import attention_ref_torch
 from attngen.spec import load_spec, retarget
+from attngen.timing import median_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS, HEADS_TIMES_DIM = 16384, 2048
-
-
-def time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def row(head_dim: int, seq: int) -> dict:
@@ -60,8 +57,8 @@ def row(head_dim: int, seq: int) -> dict:
     times = {}
     for name, module in modules.items():
         times[name] = {
-            "fwd": time_ms(lambda m=module, p=params[name]: m.attention(q, k, v, **p)),
-            "fwd_bwd": time_ms(
+            "fwd": median_ms(lambda m=module, p=params[name]: m.attention(q, k, v, **p)),
+            "fwd_bwd": median_ms(
                 lambda m=module, p=params[name], x=inputs[name]: torch.autograd.grad(m.attention(*leaves, **p), x, dout)
             ),
         }

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attngen import load
 from attngen.explain import ACCELERATORS, Problem, explain
 from attngen.spec import load_spec, retarget
+from attngen.timing import median_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ, HEADS, HEAD_DIM = 16384, 16, 128
@@ -42,15 +43,11 @@ def spec_of(name: str):
     return retarget(load_spec(ROOT / "specs" / f"{name}.toml"), HEAD_DIM, "bfloat16")
 
 
-def time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def measure(module, params: dict, q, k, v, dout) -> dict:
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     return {
-        "fwd": time_ms(lambda: module.attention(q, k, v, **params)),
-        "fwd_bwd": time_ms(lambda: torch.autograd.grad(module.attention(*leaves, **params), leaves, dout)),
+        "fwd": median_ms(lambda: module.attention(q, k, v, **params)),
+        "fwd_bwd": median_ms(lambda: torch.autograd.grad(module.attention(*leaves, **params), leaves, dout)),
     }
 
 

@@ -48,21 +48,17 @@ from attngen import load
 from attngen.exactness import judge
 from attngen.reference import attention_ref_torch
 from attngen.spec import load_spec, retarget, with_config
-from attngen.timing import medians
+from attngen.timing import median_ms, medians
 
 ROOT = Path(__file__).resolve().parent.parent
 MASK_ROWS = ("sliding_window", "prefix_lm", "document", "chunked", "alibi_slopes", "relative_bias", "bias")
 IMPLS = ("sm90", "triton", "cuDNN", "FA2", "Flex")
 
 
-def time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def switched_time(switch, fn) -> float:
-    """time_ms of fn with `switch` (our kernels' switches, or nothing for a peer) on around it."""
+    """median_ms of fn with `switch` (our kernels' switches, or nothing for a peer) on around it."""
     with switch():
-        return time_ms(fn)
+        return median_ms(fn)
 
 
 def exact(spec, module, case, row: Row) -> dict:
@@ -153,7 +149,7 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool, graphs: bool) 
                 call()  # (compiled at these shapes before its host time is taken)
                 host[name, f"{mode}_host_us"] = host_time(call, calls=50)
                 try:
-                    replays[name, f"{mode}_graph"] = functools.partial(time_ms, graphed(call))
+                    replays[name, f"{mode}_graph"] = functools.partial(median_ms, graphed(call))
                 except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture: not timed so)
                     print(f"  {name} {mode}: no graph ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
     times = {}

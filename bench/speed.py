@@ -87,7 +87,7 @@ from attngen.build import import_generated, write_package
 from attngen.exactness import judge
 from attngen.reference import attention_ref_torch, evaluate, positions
 from attngen.spec import Spec, load_spec, retarget
-from attngen.timing import ROUNDS, medians
+from attngen.timing import ROUNDS, median_ms, medians
 
 TOKENS = 16384  # B * N of every grid row
 HEADS_TIMES_DIM = 2048  # H * D: 32 heads at D=64, 16 at D=128
@@ -317,7 +317,7 @@ class Bench:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
             return statistics.median(times)
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return median_ms(fn)
 
     def spec(self, row: Row) -> Spec | None:
         if row.case.spec is None:
