@@ -61,6 +61,11 @@ def _grouped_problem(spec, name):
     return q, k, v, dout, params
 
 
+def _kept_counters(module):
+    """The split and tile counters a module keeps per stream for eager calls (_stream_counters)."""
+    return [buffer for (_, name), buffer in module._KEPT.items() if name == "counters"]
+
+
 def _out_and_grads(fn, q, k, v, dout):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse = fn(*leaves)
@@ -211,7 +216,7 @@ def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim,
     # stream: each launch's last take zeroes it, so the next starts from tile 0 (a shorter call's
     # tiles too, where the params allow one), with the same bits.
     for _ in range(2):
-        assert not any(counters.any() for counters in module._COUNTERS.values())
+        assert not any(counters.any() for counters in _kept_counters(module))
         again = _out_and_grads(lambda *x: module.attention(*x, return_lse=True, **params), q, k, v, dout)
         assert all(torch.equal(a, b) for a, b in zip((out, lse, *grads), (again[0], again[1], *again[2])))
         if not params:
@@ -342,9 +347,11 @@ def test_the_last_split_merges_exactly_and_repeatably_on_the_gpu():
             for run in range(20)
         ]
         assert not workspace.any()
-        assert not any(counters.any() for counters in module._COUNTERS.values())  # the kept ones (no workspace)
+        assert not any(counters.any() for counters in _kept_counters(module))  # the kept ones (no workspace)
         for out, lse in runs[1:]:
             assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+        # Without return_lse the LSE goes to the stream's kept scratch, as the partial outputs do.
+        assert torch.equal(module.attention_with_kvcache(q, k, v, lens, num_splits=num_splits), runs[0][0])
         out, lse = runs[0]
         for b, n in enumerate(lens.tolist()):
             keys, values = (x[b : b + 1, :, :n].repeat_interleave(heads // kv_heads, 1) for x in (k, v))

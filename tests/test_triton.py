@@ -96,8 +96,8 @@ def test_rows_with_no_visible_key():
 def test_a_launch_is_keyed_by_what_tritons_binder_reads_of_its_arguments():
     """_launch reuses a compiled kernel for arguments whose _specialization is the same: that must
     hold exactly where Triton's own binder specializes them alike (ints by class, tensors by dtype
-    and 16-byte alignment, descriptors by dtype, block shape and layout), or a call would run a kernel
-    compiled for other arguments."""
+    and 16-byte alignment, descriptors by dtype, block shape and layout, tuples by their items), or a
+    call would run a kernel compiled for other arguments."""
     import torch
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
@@ -115,6 +115,7 @@ def test_a_launch_is_keyed_by_what_tritons_binder_reads_of_its_arguments():
         *(x, x[:, :, 1:], x.float(), torch.empty(3, dtype=torch.bfloat16)[1:], x.to(torch.float16)),
         *(descriptor(x, 64), descriptor(x[:, 1:], 64), descriptor(x, 128), descriptor(x.half(), 64)),
         module.TensorDescriptor.from_tensor(x, [1, 1, 64, 128]),
+        *((x, 16, 1), (x, 16, 2), (x, 17, 1), (x[:, :, 1:], 16, 1), (x.float(), 16, 1), ((x, 1), 16), (), (None,)),
     ]
     assert layout == module._nvmma_layout(64, 128, torch.bfloat16)
     triton_key = lambda v: native_specialize_impl(BaseBackend, v, False, True, True)
@@ -170,3 +171,32 @@ def test_a_launch_binds_once_then_calls_the_compiled_kernel(monkeypatch):
     hooks = module.triton.knobs.runtime
     direct = (2, 3, 1, 77, "function", "metadata", None, hooks.launch_enter_hook, hooks.launch_exit_hook, x, 48, 16)
     assert launched[1][1] == direct
+
+
+def test_eager_calls_on_one_stream_share_a_kept_buffer(monkeypatch):
+    """_stream_buffer: one buffer per stream and name, grown when a call needs more; fresh ones under
+    CUDA-graph capture (a graph may outlive it), past _KEPT_BYTES, and on the CPU."""
+    import torch
+
+    module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
+    made = []
+    new = lambda n, device, dtype: made.append(n) or torch.empty(n, dtype=dtype)  # (no GPU here)
+    stream = ["first"]
+    monkeypatch.setattr(module, "_KEPT", {})
+    monkeypatch.setattr(module, "_stream_key", lambda device: stream[0] and (device, stream[0]))
+    gpu = torch.device("cuda", 0)
+    kept = module._stream_buffer(gpu, "parts", 10, new)
+    assert module._stream_buffer(gpu, "parts", 1024, new) is kept and made == [1024]
+    grown = module._stream_buffer(gpu, "parts", 3000, new)
+    assert module._stream_buffer(gpu, "parts", 10, new) is grown and made == [1024, 3000]
+    assert module._stream_buffer(gpu, "lse", 10, new) is not grown  # another name
+    stream[0] = "second"
+    assert module._stream_buffer(gpu, "parts", 10, new) is not grown  # another stream
+    stream[0] = None  # capturing a CUDA graph
+    assert module._stream_buffer(gpu, "parts", 10, new) is not module._stream_buffer(gpu, "parts", 10, new)
+    stream[0] = "first"
+    large = module._KEPT_BYTES // 4 + 1  # float32s
+    assert module._stream_buffer(gpu, "parts", large, new) is not module._stream_buffer(gpu, "parts", large, new)
+    assert module._stream_buffer(gpu, "parts", 10, new) is grown
+    cpu = torch.device("cpu")
+    assert module._stream_buffer(cpu, "parts", 10, new) is not module._stream_buffer(cpu, "parts", 10, new)

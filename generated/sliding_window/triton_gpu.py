@@ -14,7 +14,7 @@ calls run the same kernels through a torch.autograd.Function, which costs less h
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -235,7 +235,8 @@ def _specialization(args):
     """What Triton's binder reads of a launch's positional arguments to pick its compiled kernel:
     each tensor's dtype and whether its address is 16-byte aligned, each int's class (1, a multiple
     of 16, 32-bit or 64-bit), the type of a float or bool, None, each tensor descriptor's dtype,
-    block shape and shared-memory layout. None for any other argument: Triton's own launch then."""
+    block shape and shared-memory layout, a tuple's items. None for any other argument: Triton's own
+    launch then."""
     key = []
     for arg in args:
         kind = type(arg)
@@ -245,6 +246,11 @@ def _specialization(args):
             key.append((arg.dtype, arg.data_ptr() % 16 == 0))
         elif kind is float or kind is bool or arg is None:
             key.append(kind)
+        elif kind is tuple:  # (pointer tiles: a tensor with its strides and sizes)
+            inner = _specialization(arg)
+            if inner is None:
+                return None
+            key.append((tuple, inner))
         elif isinstance(arg, _DESCRIPTORS):
             key.append((kind, arg.base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None)))
         else:
@@ -266,21 +272,32 @@ def _stream_key(device):
     return device, torch._C._cuda_getCurrentRawStream(device.index)
 
 
-_COUNTERS = {}  # _stream_key -> int32 zeros
+_KEPT = {}  # (_stream_key, name) -> a buffer eager calls on that stream share (_stream_buffer)
+_KEPT_BYTES = 16 << 20  # (larger buffers serve long calls, whose allocation is noise: not kept)
+
+
+def _stream_buffer(device, name, n, new=torch.empty, dtype=torch.float32):
+    """A buffer of n elements or more, `name`, that the eager calls on device's current GPU stream
+    share: launches on one stream run one after another, so a call's kernels are done with it before
+    the next call's start, and a call allocates nothing (an allocation costs 3.7 us of host time on
+    the H200's host). `new` makes it (torch.empty for scratch; torch.zeros for counters, which the
+    kernels that take them leave zero again). Fresh on the CPU, past _KEPT_BYTES, and under CUDA-graph
+    capture (_stream_key)."""
+    stream = _stream_key(device) if device.type == "cuda" and n * dtype.itemsize <= _KEPT_BYTES else None
+    if stream is None:
+        return new(n, device=device, dtype=dtype)
+    buffer = _KEPT.get((stream, name))
+    if buffer is None or buffer.numel() < n:
+        buffer = _KEPT[stream, name] = new(max(n, 1024), device=device, dtype=dtype)
+    return buffer
 
 
 def _stream_counters(device, n):
     """n int32 counters, zero, for a kernel that zeroes them again as it ends (the Hopper walks' tile
-    counter, the decode splits'). Eager calls on the GPU share one buffer per stream (_stream_key):
-    a call then allocates and clears nothing (a fresh zero tensor costs ~11 us of host time on the
-    H200's host, and a memset on the GPU). Under CUDA-graph capture, fresh zeros, cleared in the graph."""
-    key = _stream_key(device) if device.type == "cuda" else None
-    if key is None:
-        return torch.zeros(n, device=device, dtype=torch.int32)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < n:
-        counters = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
-    return counters
+    counter, the decode splits'), kept per stream (_stream_buffer): no allocation and no memset a
+    call (a fresh zero tensor costs ~11 us of host time on the H200's host). Under CUDA-graph
+    capture, fresh zeros, cleared in the graph."""
+    return _stream_buffer(device, "counters", n, torch.zeros, torch.int32)
 
 
 @triton.jit
@@ -951,46 +968,71 @@ DECODE_LONG_BLOCK_N = 128
 DECODE_LONG_SPLIT_KEYS = 8192
 
 
-@_on_their_device
-def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, num_splits, workspace):
-    """(out, lse) of the new tokens q [B, H, T, D] against a KV cache (see attention_with_kvcache)."""
+class _DecodeLaunch(NamedTuple):
+    """How attention_with_kvcache launches the decode kernel for inputs of some shapes (_decode_launch)."""
+
+    grid: tuple  # (splits, batch x kv_heads, row blocks): a program per split of a tile
+    capacity: int  # the positions a sequence's cache holds
+    constants: dict  # the kernel's constexprs, num_warps and num_stages
+
+
+def _decode_launch(q, k_cache, block_table, num_splits):
+    """The decode kernel's grid and constants for new tokens q [B, H, T, D] against k_cache: each kv
+    head's query rows packed into tiles (_packed_rows), the keys of a tile walked in num_splits
+    splits (default: _decode_splits' rule), DECODE_LONG_BLOCK_N keys a step where _long_splits says.
+    Shapes and the device settle them, so a call has them before anything runs."""
     batch, heads, new_tokens, _ = q.shape
-    kv_heads = k_cache.shape[1]
-    group = heads // kv_heads
-    paged = block_table is not None
-    page_size = k_cache.shape[2]
+    kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    group, paged = heads // kv_heads, block_table is not None
     capacity = block_table.shape[1] * page_size if paged else page_size
-    q = q.contiguous()
-    out = q.new_empty((batch, heads, new_tokens, HEAD_DIM_V))
-    lse = torch.empty((batch, heads, new_tokens), device=q.device, dtype=torch.float32)
-    if out.numel() == 0:
-        return out, lse
     max_block_m, block_n, warps, stages = _tiles("DECODE_", q.device)
-    block_m, row_blocks = _packed_rows(q, k_cache, max_block_m)
+    block_m, row_blocks = _packed_rows(group * new_tokens, max_block_m)
+    tiles = batch * kv_heads * row_blocks
     if num_splits is None:
-        num_splits = _decode_splits(batch * kv_heads * row_blocks, capacity, q.device)
-    if _long_splits(capacity, num_splits, batch * kv_heads * row_blocks * num_splits, block_m, q.device):
+        num_splits = _decode_splits(tiles, capacity, q.device) if tiles else 1
+    if _long_splits(capacity, num_splits, tiles * num_splits, block_m, q.device):
         block_n = DECODE_LONG_BLOCK_N
     merge_m, merge_splits = _merge_chunk(min(block_m, group * new_tokens), num_splits)
-    parts = lse_parts = splits_done = lse  # (unread without splits)
-    if num_splits > 1:
-        parts = torch.empty((num_splits, batch, heads, new_tokens, HEAD_DIM_V), device=q.device, dtype=torch.float32)
-        lse_parts = torch.empty((num_splits, batch, heads, new_tokens), device=q.device, dtype=torch.float32)
-        splits_done = _stream_counters(q.device, batch * kv_heads * row_blocks) if workspace is None else workspace
-    table = block_table if paged else cache_seqlens  # (unread without pages)
     if torch.version.hip:
         stages = DECODE_NUM_STAGES_HIP
     elif paged:
         stages = DECODE_NUM_STAGES_PAGED
-    _launch(
-        _decode_fwd, (num_splits, batch * kv_heads, row_blocks),
-        q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done,
-        cache_seqlens, table, heads, new_tokens, capacity, k_cache.shape[0],
-        table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
+    constants = dict(
         GROUP=group, PAGE_SIZE=page_size if paged else 0, SPLIT=num_splits > 1,
         MERGE_M=merge_m, MERGE_SPLITS=merge_splits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
         num_warps=warps, num_stages=stages,
+    )
+    return _DecodeLaunch((num_splits, batch * kv_heads, row_blocks), capacity, constants)
+
+
+@_on_their_device
+def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, launch, workspace, return_lse):
+    """(out, lse) of the new tokens q [B, H, T, D] against a KV cache (see attention_with_kvcache),
+    launched as `launch` (_decode_launch) says. The splits' partial outputs, and the LSE where the
+    caller does not take it, go to scratch kept per stream (_stream_buffer)."""
+    batch, heads, new_tokens, _ = q.shape
+    rows = batch * heads * new_tokens
+    out = q.new_empty((batch, heads, new_tokens, HEAD_DIM_V))
+    if return_lse:
+        lse = torch.empty((batch, heads, new_tokens), device=q.device, dtype=torch.float32)
+    else:
+        lse = _stream_buffer(q.device, "lse", rows)
+    if out.numel() == 0:
+        return out, lse
+    num_splits, kv_tiles, row_blocks = launch.grid
+    parts = lse_parts = splits_done = lse  # (unread without splits)
+    if num_splits > 1:
+        parts = _stream_buffer(q.device, "parts", num_splits * rows * HEAD_DIM_V)
+        lse_parts = _stream_buffer(q.device, "lse_parts", num_splits * rows)
+        splits_done = _stream_counters(q.device, kv_tiles * row_blocks) if workspace is None else workspace
+    table = cache_seqlens if block_table is None else block_table  # (unread without pages)
+    _launch(
+        _decode_fwd, launch.grid,
+        q.contiguous(), k_cache, v_cache, out, lse, parts, lse_parts, splits_done,
+        cache_seqlens, table, heads, new_tokens, launch.capacity, k_cache.shape[0],
+        table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
+        **launch.constants,
     )
     return out, lse
 
@@ -1004,21 +1046,19 @@ def kvcache_workspace(device, tiles=2**16):
     return torch.zeros(tiles, device=device, dtype=torch.int32)
 
 
-def _packed_rows(q, k_cache, max_block_m):
-    """(block_m, row_blocks): the rows of each kv head's tiles (its query heads x the new tokens,
-    packed, at most max_block_m a tile) and how many tiles they take."""
-    rows = q.shape[1] // k_cache.shape[1] * q.shape[2]
+def _packed_rows(rows, max_block_m):
+    """(block_m, row_blocks): a kv head's query rows (its query heads x the new tokens) packed into
+    tiles of block_m rows, at most max_block_m, and how many tiles they take."""
     block_m = max(16, min(_next_power_of_2(rows), max_block_m))
     return block_m, _cdiv(rows, block_m)
 
 
-def _check_workspace(workspace, q, k_cache):
-    """A workspace fit for this call (kvcache_workspace's kind, on q's device, counting its tiles)."""
-    tiles = q.shape[0] * k_cache.shape[1] * _packed_rows(q, k_cache, _tiles("DECODE_", q.device)[0])[1]
+def _check_workspace(workspace, device, tiles):
+    """A workspace fit for a call of `tiles` tiles: kvcache_workspace's kind, on the call's device."""
     if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int32 or workspace.dim() != 1:
         raise TypeError(f"workspace must be a 1-D int32 torch tensor (kvcache_workspace), got {getattr(workspace, 'dtype', type(workspace).__name__)}")
-    if workspace.device != q.device or not workspace.is_contiguous():
-        raise ValueError(f"workspace must be contiguous and on {q.device}, got one on {workspace.device}")
+    if workspace.device != device or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be contiguous and on {device}, got one on {workspace.device}")
     if workspace.numel() < tiles:
         raise ValueError(f"this call has {tiles} tiles; the workspace counts {workspace.numel()} (kvcache_workspace(device, tiles={tiles}))")
 
@@ -1128,21 +1168,21 @@ def attention_with_kvcache(
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
-    cache_seqlens = _cache_seqlens(cache_seqlens, q)
-    if workspace is not None:
-        _check_workspace(workspace, q, k_cache)
-    if k is not None or v is not None:
-        cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v)
     scalars, tensors = _check_params(params)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    launch = _decode_launch(q, k_cache, block_table, num_splits)
+    if workspace is not None:
+        _check_workspace(workspace, q.device, launch.grid[1] * launch.grid[2])
+    cache_seqlens = _cache_seqlens(cache_seqlens, q)
+    if k is not None or v is not None:  # (after every check: a refused call writes nothing)
+        cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
-    with torch.no_grad():
-        out, lse = _decode(
-            q, k_cache, v_cache, cache_seqlens, block_table, float(scale), [*scalars.values(), *tensors.values()],
-            num_splits, workspace,
-        )
+    out, lse = _decode(
+        q, k_cache, v_cache, cache_seqlens, block_table, float(scale), [*scalars.values(), *tensors.values()],
+        launch, workspace, return_lse,
+    )
     return (out, lse) if return_lse else out
 
 
