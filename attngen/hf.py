@@ -18,14 +18,24 @@ transformers' cache, which passes every key so far) runs the module's `attention
 whose positions are transformers': the new tokens are the sequence's last. A sliding-window layer's
 cache keeps only the window's keys; masks and scores of relative positions (causal, a window,
 ALiBi, soft-capping) read it right, those of absolute positions (a prefix, documents) would not.
+
+Batched prompts of unequal length, left-padded (as transformers pads them for generation): the
+padding mask becomes `attention_with_kvcache`'s `cache_leftpad`, each sequence's first key, so its
+positions count from its first token (as FlashAttention-2's unpadding makes them) and its pad rows
+give 0; the prompt, too, runs `attention_with_kvcache`, its keys as the cache. The mask is checked
+to be left padding once per forward (one host synchronisation: transformers passes every layer the
+same mask).
+
 What the kernels cannot honour is refused with a clear error, never ignored: dropout, a padding
-mask (batched prompts of unequal length, and transformers' StaticCache, which masks its unused
-slots), and gradients through a cache step. Under autocast, q, k and v are cast to its dtype
-first, as SDPA does (it must be the spec's).
+mask that is not left padding (right padding, holes, or transformers' StaticCache, which masks its
+unused slots), gradients through a padded batch or a cache step (train on unpadded or packed
+batches: `attention_varlen`). Under autocast, q, k and v are cast to its dtype first, as SDPA does
+(it must be the spec's).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,15 +55,11 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
 
     fixed = dict(params or {})
     spec_params = {*module.PARAMS, *getattr(module, "TENSOR_PARAMS", {})}
+    padding = _LeftPadding()
 
     def attngen_attention(hf_module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         if dropout:
             raise ValueError(f"attngen kernels have no attention dropout (got p={dropout}): set the model's to 0")
-        if attention_mask is not None:
-            raise ValueError(
-                "attngen kernels take no padding mask: the spec is the mask. Pass unpadded batches"
-                " (or pack sequences with a varlen spec)."
-            )
         if query.shape[2] > key.shape[2]:
             raise ValueError(f"{query.shape[2]} queries against {key.shape[2]} keys: more queries than keys")
         device = query.device.type
@@ -74,15 +80,19 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
             if param not in spec_params:
                 raise ValueError(f"the model passes {hf_name}={value_of_layer}, and the spec has no `{param}` param")
             layer[param] = value_of_layer
-        if query.shape[2] == key.shape[2]:
+        if query.shape[2] == key.shape[2] and attention_mask is None:
             out = module.attention(query, key, value, scale=scaling, **layer)
             # [batch, seq, heads, head_dim]: contiguous, as the kernels wrote it in the projections' order.
             return out.transpose(1, 2), None
-        # A generation step: the new tokens against every key so far, the last of which are theirs.
+        # A generation step (the new tokens against every key so far, the last of which are
+        # theirs) or a padded batch: attention_with_kvcache, the keys as its cache.
+        if attention_mask is not None:
+            layer["cache_leftpad"] = padding.of(attention_mask, key.shape[2])
         if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+            what = "a padded batch" if attention_mask is not None else "a step from a cache"
             raise ValueError(
-                f"{query.shape[2]} queries against {key.shape[2]} keys with gradients: a step from a cache"
-                " runs attention_with_kvcache, which is inference only"
+                f"{query.shape[2]} queries against {key.shape[2]} keys with gradients: {what} runs"
+                " attention_with_kvcache, which is inference only (train on unpadded or packed batches)"
             )
         out = module.attention_with_kvcache(query, key, value, key.shape[2], scale=scaling, **layer)
         return out.transpose(1, 2), None
@@ -90,11 +100,41 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
     return attngen_attention
 
 
+class _LeftPadding:
+    """Each sequence's first key from transformers' padding mask, [batch, kv_len] (1: a token), as
+    attention_with_kvcache's cache_leftpad; the last mask's, kept while that mask is alive and
+    unchanged, so that the layers of one forward check it once."""
+
+    def __init__(self):
+        self._mask, self._version, self._starts = None, None, None
+
+    def of(self, mask, kv_len):
+        import torch
+
+        if self._mask is not None and self._mask() is mask and mask._version == self._version:
+            return self._starts
+        if mask.dim() != 2 or mask.shape[1] != kv_len:
+            raise ValueError(
+                f"a padding mask of shape {tuple(mask.shape)} for {kv_len} keys: attngen kernels take a 2-D mask"
+                " over every key (transformers' StaticCache masks its unused slots: use the default DynamicCache)"
+            )
+        tokens = mask.bool().int()
+        if not bool((tokens[:, 1:] >= tokens[:, :-1]).all()):  # (the host synchronisation)
+            raise ValueError(
+                "attngen kernels take left padding only (a mask of zeros, then ones, per sequence), as"
+                " transformers pads prompts for generation: pad on the left (tokenizer.padding_side = 'left')"
+            )
+        starts = (kv_len - tokens.sum(-1)).to(torch.int32)
+        self._mask, self._version, self._starts = weakref.ref(mask), mask._version, starts
+        return starts
+
+
 def register(name: str, module, params: dict[str, Any] | None = None) -> str:
     """Register `module` as transformers attention `name`; returns `name` for `attn_implementation`.
 
     The mask function registered with it is transformers' own for FlashAttention-2: no mask at all
-    without padding, so models with padded batches reach the attention function's refusal.
+    without padding, else the [batch, kv_len] padding mask, which the attention function takes as
+    left padding (or refuses).
     """
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import flash_attention_mask

@@ -283,7 +283,10 @@ def test_the_fp8_forward_is_exact_for_every_spec(name):
     assert_forward(FP8, *results)
 
 
-def test_decoding_from_a_paged_cache_on_the_gpu():
+@pytest.mark.parametrize("leftpad", [None, (0, 300, 17, 1500)])
+def test_decoding_from_a_paged_cache_on_the_gpu(leftpad):
+    """Each sequence's new tokens against its pages (in random order), and with left padding
+    (cache_leftpad): the sequence from that row on, its positions counted from there."""
     spec = load_spec("specs/causal.toml")
     module = harness.load_target(spec, "triton_gpu")
     batch, heads, kv_heads, new_tokens, page_size, pages = 4, 8, 2, 3, 64, 40  # 2560 keys a sequence
@@ -302,16 +305,21 @@ def test_decoding_from_a_paged_cache_on_the_gpu():
         return out.bfloat16()
 
     q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
-    out, lse = module.attention_with_kvcache(q16, paged(k), paged(v), lens, block_table=table, return_lse=True)
-    for b, length in enumerate(lens.tolist()):
+    starts = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device="cuda")
+    out, lse = module.attention_with_kvcache(
+        q16, paged(k), paged(v), lens, block_table=table, cache_leftpad=starts, return_lse=True
+    )
+    for b, end in enumerate(lens.tolist()):
+        start = 0 if leftpad is None else leftpad[b]
+        length = end - start
         causal = (
             torch.arange(length, device="cuda")[None, :]
             <= torch.arange(length - new_tokens, length, device="cuda")[:, None]
         )
 
-        def reference(dtype, b=b, length=length, causal=causal):
+        def reference(dtype, b=b, start=start, end=end, causal=causal):
             keys, values = (
-                x[b : b + 1, :, :length].repeat_interleave(heads // kv_heads, 1).to(dtype) for x in (k16, v16)
+                x[b : b + 1, :, start:end].repeat_interleave(heads // kv_heads, 1).to(dtype) for x in (k16, v16)
             )
             scores = (q16[b : b + 1].to(dtype) @ keys.transpose(-1, -2)).double() / 128**0.5
             scores = scores.masked_fill(~causal, float("-inf"))

@@ -1,8 +1,9 @@
 """attngen.hf: generated kernels inside Hugging Face transformers models (Triton interpreter). A
 GPT-2 and a Llama-style model (grouped kv heads, RoPE), random weights from a small config: the loss
 and every parameter's gradient agree with transformers' eager attention, and so does greedy
-generation (its steps through attention_with_kvcache); what the kernels cannot honour (dropout,
-padding, gradients through a cache step) is refused."""
+generation (its steps through attention_with_kvcache), left-padded prompts included; what the
+kernels cannot honour (dropout, right padding, gradients through a padded batch or a cache step)
+is refused."""
 
 import copy
 
@@ -81,9 +82,11 @@ def test_what_the_kernels_cannot_honour_is_refused():
     _, ours = _models(make, config, name)
     tokens = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     padding = torch.ones_like(tokens)
-    padding[0, :3] = 0
-    with pytest.raises(ValueError, match="no padding mask"):
+    padding[0, 9:] = 0  # right padding
+    with pytest.raises(ValueError, match="left padding only"):
         ours(input_ids=tokens, attention_mask=padding)
+    with pytest.raises(ValueError, match="a padded batch runs attention_with_kvcache, which is inference only"):
+        ours(input_ids=tokens, attention_mask=padding.flip(1), labels=tokens).loss.backward()
     ours.train()  # GPT-2 passes its attn_pdrop in training
     ours.config.attn_pdrop = 0.1
     for block in ours.transformer.h:
@@ -106,6 +109,33 @@ def test_greedy_generation_through_the_cache_matches_eager_attention(model_name)
             attention_mask=torch.ones_like(prompt),
             max_new_tokens=4,
             do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        for model in (ours, eager)
+    ]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for step, (logits, ref) in enumerate(zip(runs[0].logits, runs[1].logits, strict=True)):
+        torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("model_name", sorted(CONFIGS))
+def test_left_padded_prompts_generate_as_eager_attention_does(model_name):
+    """Prompts of 9, 4 and 6 tokens, left-padded: the padding mask becomes cache_leftpad, for the
+    prompt and for each step; the same tokens and logits as eager attention with the mask."""
+    make, config, head_dim = CONFIGS[model_name]
+    name = attngen.hf.register(f"attngen_test_padded_{model_name}", _causal(head_dim))
+    eager, ours = _models(make, config, name)
+    prompt = torch.randint(1, config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompt)
+    mask[1, :5], mask[2, :3] = 0, 0
+    runs = [
+        model.generate(
+            prompt.masked_fill(mask == 0, 0),
+            attention_mask=mask,
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=0,
             output_logits=True,
             return_dict_in_generate=True,
         )

@@ -48,6 +48,7 @@ def problems(draw):
     paged = draw(st.booleans())
     page_size = draw(st.sampled_from([16, 32, 64])) if paged else None
     capacity = draw(st.sampled_from([64, 128, 192])) if paged else draw(st.integers(new_tokens, 200))
+    seqlens = draw(st.lists(st.integers(new_tokens, capacity), min_size=batch, max_size=batch))
     return {
         "dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
         "batch": batch,
@@ -56,7 +57,9 @@ def problems(draw):
         "new_tokens": new_tokens,
         "capacity": capacity,
         "page_size": page_size,
-        "seqlens": draw(st.lists(st.integers(new_tokens, capacity), min_size=batch, max_size=batch)),
+        "seqlens": seqlens,
+        # Left padding (cache_leftpad): each sequence's first row in its cache, or none given.
+        "leftpad": draw(st.none() | st.tuples(*(st.integers(0, length - new_tokens) for length in seqlens))),
         "num_splits": draw(st.sampled_from([None, 1, 2, 3])),
         "seed": draw(st.integers(0, 2**31)),
     }
@@ -81,7 +84,7 @@ def _pallas_module(spec):
     return harness.load_target(with_config(spec, "pallas_tpu", block_kv=128), "pallas_tpu")
 
 
-def _run(target, spec, dtype, q, k_cache, v_cache, seqlens, table, num_splits, params):
+def _run(target, spec, dtype, q, k_cache, v_cache, seqlens, table, leftpad, num_splits, params):
     """(out, lse) as float32 numpy arrays from `target`'s attention_with_kvcache on float32 inputs
     holding `dtype` values; num_splits is Triton's (Pallas does not split)."""
     if target == "triton_gpu":
@@ -90,6 +93,7 @@ def _run(target, spec, dtype, q, k_cache, v_cache, seqlens, table, num_splits, p
             *(torch.from_numpy(x).to(torch_dtype) for x in (q, k_cache, v_cache)),
             torch.from_numpy(seqlens),
             block_table=None if table is None else torch.from_numpy(table),
+            cache_leftpad=None if leftpad is None else torch.from_numpy(leftpad),
             return_lse=True,
             num_splits=num_splits,
             **harness.params_as(params, torch.as_tensor),
@@ -101,6 +105,7 @@ def _run(target, spec, dtype, q, k_cache, v_cache, seqlens, table, num_splits, p
         *(jnp.asarray(x).astype(dtype) for x in (q, k_cache, v_cache)),
         jnp.asarray(seqlens),
         block_table=None if table is None else jnp.asarray(table),
+        cache_leftpad=None if leftpad is None else jnp.asarray(leftpad),
         return_lse=True,
         interpret=True,
         **harness.params_as(params, jnp.asarray),
@@ -140,15 +145,19 @@ def check(spec_name: str, p: dict, target: str = "triton_gpu"):
     params = example_params(spec_name, B, H, cap, cap, seed=p["seed"])
     seqlens = np.array(p["seqlens"], np.int32)
     table = None if table is None else table.astype(np.int32)
-    out, lse = _run(target, spec, p["dtype"], q, k_cache, v_cache, seqlens, table, p["num_splits"], params)
+    leftpad = None if p.get("leftpad") is None else np.array(p["leftpad"], np.int32)
+    out, lse = _run(target, spec, p["dtype"], q, k_cache, v_cache, seqlens, table, leftpad, p["num_splits"], params)
     # The new rows of every sequence, judged at once. The same-precision baseline's error is taken
     # over every row of the sequences: a handful of new rows is too few for a steady maximum.
     refs, ref_lses, baseline_error = [], [], 0.0
-    for b, length in enumerate(p["seqlens"]):
-        # The whole sequence: earlier queries drawn afresh, the new tokens last.
+    for b, end in enumerate(p["seqlens"]):
+        # The whole sequence (its cache rows from its left padding on): earlier queries drawn
+        # afresh, the new tokens last.
+        start = 0 if leftpad is None else leftpad[b]
+        length = end - start
         q_seq = draw(1, H, length, spec.head_dim)
         q_seq[:, :, length - T :] = q[b]
-        k_seq, v_seq = k_rows[b : b + 1, :, :length], v_rows[b : b + 1, :, :length]
+        k_seq, v_seq = k_rows[b : b + 1, :, start:end], v_rows[b : b + 1, :, start:end]
         seq_params = _sequence_params(params, spec, b, length)
         ref_out, ref_lse = attention_ref(spec, q_seq, k_seq, v_seq, **seq_params)
         refs.append(ref_out[:, :, length - T :])
@@ -186,6 +195,19 @@ def test_pallas_pages_larger_than_a_block():
         "page_size": 256, "seqlens": [500, 200], "num_splits": None, "seed": 3,
     }  # fmt: skip
     check("sliding_window", problem, "pallas_tpu")
+
+
+@pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("spec_name, page_size", [("causal", None), ("sliding_window", 16), ("alibi", 32)])
+def test_left_padded_sequences_start_where_cache_leftpad_says(target, spec_name, page_size):
+    """cache_leftpad (FlashAttention's): sequence b is its cache's rows leftpad[b] .. seqlens[b] - 1,
+    its positions counted from there; starts inside a block (of either target), a sequence that
+    fills its cache, one of 5 keys, over pages and splits."""
+    problem = {
+        "dtype": "float32", "batch": 3, "kv_heads": 2, "heads": 4, "new_tokens": 3, "capacity": 192,
+        "page_size": page_size, "seqlens": [192, 150, 70], "leftpad": [0, 77, 65], "num_splits": 2, "seed": 5,
+    }  # fmt: skip
+    check(spec_name, problem, target)
 
 
 def test_a_split_of_no_keys_merges_to_nothing():
@@ -361,6 +383,8 @@ def test_bad_inputs_are_refused_before_launch():
         ({"num_splits": 0}, ValueError, "num_splits must be a positive int"),
         ({"workspace": torch.zeros(4)}, TypeError, "workspace must be a 1-D int32 torch tensor"),
         ({"workspace": torch.zeros(3, dtype=torch.int32)}, ValueError, "this call has 4 tiles; the workspace counts 3"),
+        ({"cache_leftpad": lens.long()}, TypeError, "cache_leftpad must be an int32 torch tensor"),
+        ({"cache_leftpad": lens[:1]}, ValueError, "cache_leftpad has shape (1,); expected (2,)"),
     ]
     for change, kind, message in cases:
         args = {"q": q, "k_cache": cache, "v_cache": cache, "cache_seqlens": lens} | change
@@ -368,6 +392,23 @@ def test_bad_inputs_are_refused_before_launch():
             module.attention_with_kvcache(
                 args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("cache_seqlens"), **args
             )
+
+
+def test_lengths_are_read_whatever_their_strides():
+    """cache_seqlens and cache_leftpad as strided views (every other entry of a larger tensor) give
+    what their contiguous copies give: the kernel reads them by index."""
+    module = harness.load_target(retarget(load_spec("specs/causal.toml"), 32, "float32"), "triton_gpu")
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 1, 32, generator=generator)
+    k, v = (torch.randn(2, 2, 64, 32, generator=generator) for _ in range(2))
+    lens, starts = (
+        torch.tensor([64, 5, 10, 7], dtype=torch.int32)[::2],
+        torch.tensor([3, 9, 2, 1], dtype=torch.int32)[::2],
+    )
+    out = module.attention_with_kvcache(q, k, v, lens, cache_leftpad=starts)
+    assert torch.equal(
+        out, module.attention_with_kvcache(q, k, v, lens.contiguous(), cache_leftpad=starts.contiguous())
+    )
 
 
 def test_pallas_bad_inputs_are_refused_before_launch():
@@ -391,6 +432,7 @@ def test_pallas_bad_inputs_are_refused_before_launch():
         ({"k_cache": jnp.zeros((2, 3, 64, 32), jnp.float32)}, ValueError, "shapes do not match"),
         ({"block_table": jnp.zeros((2, 4), jnp.float32)}, TypeError, "block_table must be an int32 array"),
         ({"block_table": jnp.zeros((3, 4), jnp.int32)}, ValueError, "block_table has shape (3, 4); expected (2, 'n')"),
+        ({"cache_leftpad": 3}, TypeError, "cache_leftpad must be an int32 array, got int"),
         (
             {"k_cache": jnp.zeros((3, 2, 64, 32), jnp.float32), "v_cache": jnp.zeros((3, 2, 64, 32), jnp.float32)},
             ValueError,

@@ -110,5 +110,5 @@ def test_decoding_with_a_cutoff_to_minus_inf(target):
     )
     bound = np.array([-3e38, 2.0], np.float32)
     seqlens = np.array([40, 29], np.int32)
-    out, lse = _run(target, spec, "float32", q, k, v, seqlens, None, 2, {"bound": bound})
+    out, lse = _run(target, spec, "float32", q, k, v, seqlens, None, None, 2, {"bound": bound})
     assert (out[0] == 0).all() and np.isneginf(lse[0]).all() and np.isfinite(lse[1]).all()

@@ -262,6 +262,7 @@ KERNELS = (
             ("LSE_PARTS", F32_POINTER),
             ("SPLITS_DONE", I32_POINTER),
             ("CACHE_SEQLENS", I32_POINTER),
+            ("CACHE_LEFTPAD", I32_POINTER),
             ("BLOCK_TABLE", I32_POINTER),
             ("num_heads", Arg("i32", divisible=True)),
             ("new_tokens", Arg("i32")),
@@ -278,7 +279,7 @@ KERNELS = (
         ),
         # One query head per kv head, a contiguous cache (PAGE_SIZE 0), no split: each of those
         # (and each page size) compiles a kernel of its own.
-        constexprs=(("GROUP", 1), ("PAGE_SIZE", 0), ("SPLIT", 0), ("MERGE_M", 1), ("MERGE_SPLITS", 1)),
+        constexprs=(("GROUP", 1), ("PAGE_SIZE", 0), ("LEFTPAD", 0), ("SPLIT", 0), ("MERGE_M", 1), ("MERGE_SPLITS", 1)),
     ),
     Kernel(
         "fwd_sm90",

@@ -124,7 +124,7 @@ def _problem(module, device):
     heads = kv_heads * DECODE_ROWS // new_tokens
     decode_q = array((1, heads, new_tokens, module.HEAD_DIM), module.DTYPE)
     decode_sizes = {"batch": 1, "heads": heads, "kv_heads": kv_heads, "q_len": capacity, "kv_len": capacity}
-    decode_scalars = (*scalars, *smem(decode_sizes), array((1,), jnp.int32))  # ..., cache lengths
+    decode_scalars = (*scalars, *smem(decode_sizes), array((1,), jnp.int32), array((1,), jnp.int32))  # lengths, starts
     decode_gathered = tuple(
         array(shape, dtype)
         for shape, dtype in (

@@ -34,7 +34,7 @@ BLOCK_Q = 512
 BLOCK_KV = 512
 VMEM_LIMIT_BYTES = None  # None: Mosaic's default
 NUM_SCALAR_PREFETCH = 2  # int params, float params
-DECODE_SCALAR_PREFETCH = 4  # int params, float params, cache lengths, block table
+DECODE_SCALAR_PREFETCH = 5  # int params, float params, cache lengths, starts, block table
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # dot_general dims for a.T @ b
 
@@ -88,10 +88,10 @@ def _positions(q_block, kv_block):
     return q_idx, kv_idx
 
 
-def _rows_within(x, block, block_size, length):
-    """x with its rows past `length` zeroed: a tail block holds unspecified data there."""
+def _rows_within(x, block, block_size, length, first=0):
+    """x with its rows before `first` or past `length` zeroed: a tail block holds unspecified data there."""
     row = block * block_size + lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    return jnp.where(row < length, x, jnp.zeros_like(x))
+    return jnp.where((row >= first) & (row < length), x, jnp.zeros_like(x))
 
 
 def _clamp_block(block, lo, hi, num_blocks):
@@ -255,6 +255,23 @@ def _decode_tile_bounds(b, h_kv, seq_len, group, new_tokens, param_max_dist):
     return kv_lo, kv_hi, full_lo, full_hi
 
 
+def _decode_cache_bounds(b, h_kv, lens_ref, starts_ref, capacity, group, new_tokens, param_max_dist):
+    """(start, end, kv_lo, kv_hi, full_lo, full_hi): sequence b is the cache's rows start .. end - 1,
+    its positions counted from start (cache_leftpad), and _decode_tile_bounds' blocks of its
+    positions become blocks of those rows (a block of positions straddles two of them)."""
+    end = jnp.clip(lens_ref[b], 0, capacity)  # lengths past the cache are clamped to it
+    start = jnp.clip(starts_ref[b], 0, end)
+    kv_lo, kv_hi, full_lo, full_hi = _decode_tile_bounds(b, h_kv, end - start, group, new_tokens, param_max_dist)
+    return (
+        start,
+        end,
+        (start + kv_lo * BLOCK_KV) // BLOCK_KV,
+        (start + jnp.minimum(kv_hi * BLOCK_KV, end - start) + BLOCK_KV - 1) // BLOCK_KV,
+        (start + full_lo * BLOCK_KV + BLOCK_KV - 1) // BLOCK_KV,
+        (start + full_hi * BLOCK_KV) // BLOCK_KV,
+    )
+
+
 def _decode_kernel(*refs, group, new_tokens, capacity, pieces):
     """The new tokens of one sequence and every query head of one kv head (rows: head-major, so
     row r is head h_kv * group + r // new_tokens, token r % new_tokens) against one kv block of its
@@ -262,11 +279,13 @@ def _decode_kernel(*refs, group, new_tokens, capacity, pieces):
     prefetch, (q_ref, *refs) = refs[:DECODE_SCALAR_PREFETCH], refs[DECODE_SCALAR_PREFETCH:]
     k_refs, v_refs, refs = refs[:pieces], refs[pieces : 2 * pieces], refs[2 * pieces :]
     *gathered_refs, o_ref, lse_ref, m_scratch, l_scratch, acc_scratch = refs
-    int_ref, float_ref, *tensor_refs, lens_ref, _ = prefetch
+    int_ref, float_ref, *tensor_refs, lens_ref, starts_ref, _ = prefetch
     b, h_kv, kv_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     scale, params = _read_params(int_ref, float_ref, *tensor_refs)
-    seq_len = jnp.clip(lens_ref[b], 0, capacity)  # lengths past the cache are clamped to it
-    kv_lo, kv_hi, full_lo, full_hi = _decode_tile_bounds(b, h_kv, seq_len, group, new_tokens, *params)
+    start, end, kv_lo, kv_hi, full_lo, full_hi = _decode_cache_bounds(
+        b, h_kv, lens_ref, starts_ref, capacity, group, new_tokens, *params
+    )
+    seq_len = end - start
 
     @pl.when(kv_block == 0)
     def _init():
@@ -280,18 +299,19 @@ def _decode_kernel(*refs, group, new_tokens, capacity, pieces):
         shape = (group * new_tokens, BLOCK_KV)
         row = lax.broadcasted_iota(jnp.int32, shape, 0)
         q_idx = seq_len - new_tokens + row % new_tokens
-        kv_idx = kv_block * BLOCK_KV + lax.broadcasted_iota(jnp.int32, shape, 1)
+        kv_idx = kv_block * BLOCK_KV + lax.broadcasted_iota(jnp.int32, shape, 1) - start
         qk = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
 
         def logits(h):
             s = _logits(qk, q_idx, kv_idx, b, h, seq_len, seq_len, scale, *params, gathered)
             if masked:
-                s = jnp.where(_visible(q_idx, kv_idx, b, h, seq_len, seq_len, *params, gathered), s, -jnp.inf)
+                visible = _visible(q_idx, kv_idx, b, h, seq_len, seq_len, *params, gathered) & (kv_idx >= 0)
+                s = jnp.where(visible, s, -jnp.inf)
             return s
 
         s = logits(h_kv * group + row // new_tokens)
-        if masked:  # cache rows past the sequence hold anything (NaN included): keep them out of p @ v
-            v = _rows_within(v, kv_block, BLOCK_KV, seq_len)
+        if masked:  # cache rows outside the sequence hold anything (NaN included): keep them out of p @ v
+            v = _rows_within(v, kv_block, BLOCK_KV, end, start)
         _online_softmax(s, v, m_scratch, l_scratch, acc_scratch)
 
     _run_tile(kv_block, kv_lo, kv_hi, full_lo, full_hi, attend)
@@ -316,10 +336,9 @@ def _decode_specs(group, new_tokens, capacity, page_size, num_pages):
 
     def visited(b, h_kv, kv_block, refs):
         """The kv block step kv_block fetches (see _clamp_block)."""
-        int_ref, float_ref, *tensor_refs, lens_ref, _ = refs
+        int_ref, float_ref, *tensor_refs, lens_ref, starts_ref, _ = refs
         _, params = _read_params(int_ref, float_ref, *tensor_refs)
-        seq_len = jnp.clip(lens_ref[b], 0, capacity)
-        kv_lo, kv_hi, _, _ = _decode_tile_bounds(b, h_kv, seq_len, group, new_tokens, *params)
+        _, _, kv_lo, kv_hi, _, _ = _decode_cache_bounds(b, h_kv, lens_ref, starts_ref, capacity, group, new_tokens, *params)
         return _clamp_block(kv_block, kv_lo, kv_hi, num_blocks)
 
     def piece(j):
@@ -365,8 +384,8 @@ def _decode_specs(group, new_tokens, capacity, page_size, num_pages):
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def _decode(q, k_cache, v_cache, prefetch, gathered, interpret):
     """(out, lse) of the new tokens q [B, H, T, D] against a KV cache (see attention_with_kvcache);
-    prefetch ends with the cache lengths and the block table ([batch, max_pages]; contiguous
-    caches: a placeholder of one dimension)."""
+    prefetch ends with the cache lengths, the sequences' first rows (cache_leftpad) and the block
+    table ([batch, max_pages]; contiguous caches: a placeholder of one dimension)."""
     batch, heads, new_tokens, _ = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -410,16 +429,18 @@ def _decode_gathered_shapes(batch, kv_heads, rows, capacity):
     )
 
 
-def _decode_gathered(seq_lens, group, new_tokens, kv_heads, capacity, param_max_dist, param_rel_bias):
-    """The gathered arrays of a decode call (see _gathered) at the true positions of its rows:
-    query i of sequence b at seq_lens[b] - new_tokens + i."""
-    batch, rows = seq_lens.shape[0], group * new_tokens
+def _decode_gathered(ends, starts, group, new_tokens, kv_heads, capacity, param_max_dist, param_rel_bias):
+    """The gathered arrays of a decode call (see _gathered) at the true positions of its rows and
+    of the cache's: sequence b is rows starts[b] .. ends[b] - 1 of its cache, its positions counted
+    from there, so that query i sits at ends[b] - starts[b] - new_tokens + i."""
+    batch, rows = ends.shape[0], group * new_tokens
     b = lax.broadcasted_iota(jnp.int32, (batch, 1, 1, 1), 0)
     row = lax.broadcasted_iota(jnp.int32, (1, 1, rows, 1), 2)
     h = lax.broadcasted_iota(jnp.int32, (1, kv_heads, 1, 1), 1) * group + row // new_tokens
-    seq_len = seq_lens.reshape(batch, 1, 1, 1)
+    start = starts.reshape(batch, 1, 1, 1)
+    seq_len = ends.reshape(batch, 1, 1, 1) - start
     q_idx = seq_len - new_tokens + row % new_tokens
-    kv_idx = lax.broadcasted_iota(jnp.int32, (1, 1, 1, capacity), 3)
+    kv_idx = lax.broadcasted_iota(jnp.int32, (1, 1, 1, capacity), 3) - start
     reads = _gathered_reads(b, h, q_idx, kv_idx, seq_len, seq_len, param_max_dist, param_rel_bias)
     return tuple(
         jnp.broadcast_to(read, shape).astype(dtype)
@@ -458,7 +479,8 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
 
 
 def attention_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, scale=None, return_lse=False, interpret=False, **params
+    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, scale=None,
+    return_lse=False, interpret=False, **params
 ):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `relative_bias`; inference only (not differentiable).
@@ -482,6 +504,9 @@ def attention_with_kvcache(
             change: the updated caches are returned too (in place under jit with the caches donated).
         block_table: int32 [batch, max_pages] (paged caches): the pages of each sequence, in order;
             an index past the pages reads the last page.
+        cache_leftpad: int32 [batch] (FlashAttention's), left padding: sequence b is the cache's
+            rows cache_leftpad[b] .. cache_seqlens[b] - 1 (clamped into 0 .. cache_seqlens[b]), and
+            the spec sees its positions counted from there (its length cache_seqlens[b] - cache_leftpad[b]).
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
         interpret: passed to pallas_call: True, or pltpu.InterpretParams(...) to run on CPU.
@@ -493,7 +518,7 @@ def attention_with_kvcache(
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
         With k and v: (out[, lse], k_cache, v_cache), the caches holding the appended tokens.
     """
-    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad)
     cache_seqlens = _cache_seqlens(cache_seqlens, q)
     appended = k is not None or v is not None
     if appended:
@@ -506,10 +531,12 @@ def attention_with_kvcache(
         lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
     else:
         table = block_table if block_table is not None else jnp.zeros((1,), jnp.int32)  # (unread without pages)
-        prefetch = (*prefetch, cache_seqlens, table)
+        starts = jnp.zeros(q.shape[:1], jnp.int32) if cache_leftpad is None else cache_leftpad
+        prefetch = (*prefetch, cache_seqlens, starts, table)
         group, kv_heads = q.shape[1] // k_cache.shape[1], k_cache.shape[1]
-        seq_lens = jnp.clip(cache_seqlens, 0, capacity)
-        gathered = _decode_gathered(seq_lens, group, q.shape[2], kv_heads, capacity, *scalar_values, *tensors.values())
+        ends = jnp.clip(cache_seqlens, 0, capacity)
+        starts = jnp.clip(starts, 0, ends)
+        gathered = _decode_gathered(ends, starts, group, q.shape[2], kv_heads, capacity, *scalar_values, *tensors.values())
         out, lse = _decode(q, k_cache, v_cache, prefetch, gathered, interpret)
     results = (out, lse) if return_lse else (out,)
     if appended:
@@ -896,7 +923,7 @@ def _cache_seqlens(cache_seqlens, q):
     return jnp.full((q.shape[0],), length, jnp.int32)
 
 
-def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad):
     """The inputs of attention_with_kvcache: shapes, dtypes, before any launch."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if getattr(t, "ndim", None) != 4:
@@ -911,6 +938,8 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
             " (caches alike; kv heads dividing q heads)"
         )
     tables = [] if _one_length(cache_seqlens) else [("cache_seqlens", cache_seqlens, (q.shape[0],))]
+    if cache_leftpad is not None:
+        tables.append(("cache_leftpad", cache_leftpad, (q.shape[0],)))
     if block_table is not None:
         tables.append(("block_table", block_table, (q.shape[0], None)))
     elif k_cache.shape[0] != q.shape[0]:

@@ -775,17 +775,18 @@ def _attention_bwd_dkdv(
 def _decode_kv_blocks(
     acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, num_pages,
     k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
-    b, h, h_kv, block_lo, block_hi, q_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1,
+    b, h, h_kv, block_lo, block_hi, start, end, q_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1,
     MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
-    """Online softmax over a run of cached kv blocks; MASKED runs the mask (PARTIAL tiles)."""
+    """Online softmax over a run of cached kv blocks; MASKED runs the mask (PARTIAL tiles). The
+    sequence's keys are the cache's rows start .. end - 1, the spec's positions counted from start."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for block in range(block_lo, block_hi):
-        kv_pos = block * BLOCK_N + offs_n
-        in_cache = kv_pos < kv_len
+        kv_pos = block * BLOCK_N + offs_n  # rows of the sequence's cache
+        in_cache = (kv_pos >= start) & (kv_pos < end)
         if PAGE_SIZE == 0:  # a contiguous cache
             page = b.to(tl.int64)
             row = kv_pos
@@ -800,7 +801,7 @@ def _decode_kv_blocks(
             # Whole pages in a block: one lookup per page, broadcast over its keys (a lookup per key
             # read 16-token pages at batch 1 ~10 % slower on the H200).
             index = block * (BLOCK_N // PAGE_SIZE) + tl.arange(0, BLOCK_N // PAGE_SIZE)
-            pages = tl.load(BLOCK_TABLE + b * table_stride + index, mask=index * PAGE_SIZE < kv_len, other=0)
+            pages = tl.load(BLOCK_TABLE + b * table_stride + index, mask=index * PAGE_SIZE < end, other=0)
             pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)
             page = tl.reshape(tl.broadcast_to(pages[:, None], (BLOCK_N // PAGE_SIZE, PAGE_SIZE)), (BLOCK_N,))
             row = kv_pos % PAGE_SIZE
@@ -812,10 +813,11 @@ def _decode_kv_blocks(
         v_rows = V + page * v_stride_page + h_kv * v_stride_head + row * v_stride_row
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=in_cache[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32
-        kv_idx = kv_pos[None, :]
+        kv_idx = (kv_pos - start)[None, :]
         x = _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1)
         if MASKED:
-            x = tl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1), x, float("-inf"))
+            visible = _visible(q_idx, kv_idx, b, h, q_len, kv_len, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1) & in_cache[None, :]
+            x = tl.where(visible, x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, 1))
         # A row that has seen no visible key yet keeps m = -inf and is shifted by 0 (see the forward).
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -830,12 +832,12 @@ def _decode_kv_blocks(
 
 @triton.jit(do_not_specialize=["new_tokens", "capacity", "num_pages"])
 def _decode_fwd(
-    Q, K, V, O, LSE, O_PARTS, LSE_PARTS, SPLITS_DONE, CACHE_SEQLENS, BLOCK_TABLE,
+    Q, K, V, O, LSE, O_PARTS, LSE_PARTS, SPLITS_DONE, CACHE_SEQLENS, CACHE_LEFTPAD, BLOCK_TABLE,
     num_heads, new_tokens, capacity, num_pages, table_stride, k_stride_page, k_stride_head,
     k_stride_row, v_stride_page, v_stride_head, v_stride_row, scale, param_seq_q, param_seq_q_size0,
     param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q,
     param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, MERGE_M: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, LEFTPAD: tl.constexpr, SPLIT: tl.constexpr, MERGE_M: tl.constexpr,
     MERGE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
@@ -852,8 +854,11 @@ def _decode_fwd(
     row_in = r < rows
     r = tl.minimum(r, rows - 1)  # padding rows repeat the last row (never stored)
     # The spec's expressions see the cached sequence: positions 0 .. seq_len - 1, the new tokens
-    # last, and its length as both q_len and kv_len (lengths past the cache are clamped to it).
-    seq_len = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + b), 0), capacity)
+    # last, and its length as both q_len and kv_len (lengths past the cache are clamped to it). A
+    # left-padded sequence (LEFTPAD) is the cache's rows start .. end - 1, its positions counted from start.
+    end = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + b), 0), capacity)
+    start = tl.minimum(tl.maximum(tl.load(CACHE_LEFTPAD + b), 0), end) if LEFTPAD else 0
+    seq_len = end - start
     q_len = seq_len
     kv_len = seq_len
     q_idx = (seq_len - new_tokens + r % new_tokens)[:, None]
@@ -864,6 +869,9 @@ def _decode_fwd(
     kv_hi = floordiv(BLOCK_N + kv_len - 1, BLOCK_N)
     full_lo = tl.minimum(kv_hi, kv_lo)
     full_hi = tl.minimum(kv_hi, full_lo)
+    if LEFTPAD:  # blocks of the sequence's positions -> blocks of its cache rows (straddling two)
+        kv_lo, kv_hi = (start + kv_lo * BLOCK_N) // BLOCK_N, tl.cdiv(start + tl.minimum(kv_hi * BLOCK_N, seq_len), BLOCK_N)
+        full_lo, full_hi = tl.cdiv(start + full_lo * BLOCK_N, BLOCK_N), (start + full_hi * BLOCK_N) // BLOCK_N
     # This program's split of the visited blocks, cut into PARTIAL, FULL, PARTIAL runs.
     per_split = tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), num_splits)
     split_lo = tl.minimum(kv_lo + split * per_split, kv_hi)
@@ -882,21 +890,21 @@ def _decode_fwd(
     acc, l_i, m_i = _decode_kv_blocks(
         acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, num_pages,
         k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
-        b, h, h_kv, split_lo, run_lo, q_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1,
+        b, h, h_kv, split_lo, run_lo, start, end, q_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1,
         MASKED=True, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
     )
     acc, l_i, m_i = _decode_kv_blocks(
         acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, num_pages,
         k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
-        b, h, h_kv, run_lo, run_hi, q_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1,
+        b, h, h_kv, run_lo, run_hi, start, end, q_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1,
         MASKED=False, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
     )
     acc, l_i, m_i = _decode_kv_blocks(
         acc, l_i, m_i, q, K, V, BLOCK_TABLE, table_stride, num_pages,
         k_stride_page, k_stride_head, k_stride_row, v_stride_page, v_stride_head, v_stride_row,
-        b, h, h_kv, run_hi, split_hi, q_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1,
+        b, h, h_kv, run_hi, split_hi, start, end, q_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1,
         MASKED=True, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
     )
@@ -1008,11 +1016,12 @@ class _DecodeLaunch(NamedTuple):
     constants: dict  # the kernel's constexprs, num_warps and num_stages
 
 
-def _decode_launch(q, k_cache, block_table, num_splits):
+def _decode_launch(q, k_cache, block_table, leftpad, num_splits):
     """The decode kernel's grid and constants for new tokens q [B, H, T, D] against k_cache: each kv
     head's query rows packed into tiles (_packed_rows), the keys of a tile walked in num_splits
-    splits (default: _decode_splits' rule), DECODE_LONG_BLOCK_N keys a step where _long_splits says.
-    Shapes and the device settle them, so a call has them before anything runs."""
+    splits (default: _decode_splits' rule), DECODE_LONG_BLOCK_N keys a step where _long_splits says;
+    leftpad: whether cache_leftpad is given. Shapes and the device settle them, so a call has them
+    before anything runs."""
     batch, heads, new_tokens, _ = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     group, paged = heads // kv_heads, block_table is not None
@@ -1030,7 +1039,7 @@ def _decode_launch(q, k_cache, block_table, num_splits):
     elif paged:
         stages = DECODE_NUM_STAGES_PAGED
     constants = dict(
-        GROUP=group, PAGE_SIZE=page_size if paged else 0, SPLIT=num_splits > 1,
+        GROUP=group, PAGE_SIZE=page_size if paged else 0, LEFTPAD=leftpad, SPLIT=num_splits > 1,
         MERGE_M=merge_m, MERGE_SPLITS=merge_splits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
         num_warps=warps, num_stages=stages,
@@ -1039,7 +1048,7 @@ def _decode_launch(q, k_cache, block_table, num_splits):
 
 
 @_on_their_device
-def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, launch, workspace, return_lse):
+def _decode(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, scale, params, launch, workspace, return_lse):
     """(out, lse) of the new tokens q [B, H, T, D] against a KV cache (see attention_with_kvcache),
     launched as `launch` (_decode_launch) says. The splits' partial outputs, and the LSE where the
     caller does not take it, go to scratch kept per stream (_stream_buffer)."""
@@ -1060,10 +1069,11 @@ def _decode(q, k_cache, v_cache, cache_seqlens, block_table, scale, params, laun
         lse_parts = _stream_buffer(q.device, "lse_parts", num_splits * rows)
         splits_done = _stream_counters(q.device, kv_tiles * row_blocks) if workspace is None else workspace
     table = cache_seqlens if block_table is None else block_table  # (unread without pages)
+    leftpad = cache_seqlens if cache_leftpad is None else cache_leftpad  # (unread without)
     _launch(
         _decode_fwd, launch.grid,
         q.contiguous(), k_cache, v_cache, out, lse, parts, lse_parts, splits_done,
-        cache_seqlens, table, heads, new_tokens, launch.capacity, k_cache.shape[0],
+        cache_seqlens, leftpad, table, heads, new_tokens, launch.capacity, k_cache.shape[0],
         table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
         **launch.constants,
     )
@@ -1164,8 +1174,8 @@ def _merge_chunk(tile_rows, num_splits):
 
 
 def attention_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, scale=None, return_lse=False, num_splits=None,
-    workspace=None, **params
+    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, scale=None,
+    return_lse=False, num_splits=None, workspace=None, **params
 ):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `varlen`; inference only (no autograd).
@@ -1189,6 +1199,9 @@ def attention_with_kvcache(
             cached before them. An append past a sequence's pages raises, before anything is written.
         block_table: int32 [batch, max_pages] (paged caches): the pages of each sequence, in order;
             an index past the pages reads the last page.
+        cache_leftpad: int32 [batch] (FlashAttention's), left padding: sequence b is the cache's
+            rows cache_leftpad[b] .. cache_seqlens[b] - 1 (clamped into 0 .. cache_seqlens[b]), and
+            the spec sees its positions counted from there (its length cache_seqlens[b] - cache_leftpad[b]).
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
         num_splits: how many programs share the keys of one sequence (default: enough to fill the GPU).
@@ -1207,13 +1220,13 @@ def attention_with_kvcache(
     Returns:
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
     """
-    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad)
     capacity = block_table.shape[1] * k_cache.shape[2] if block_table is not None else k_cache.shape[2]
     sizes = {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k_cache.shape[1], "q_len": capacity, "kv_len": capacity}
     scalars, tensors = _check_params(params, q, sizes)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    launch = _decode_launch(q, k_cache, block_table, num_splits)
+    launch = _decode_launch(q, k_cache, block_table, cache_leftpad is not None, num_splits)
     if workspace is not None:
         _check_workspace(workspace, q.device, launch.grid[1] * launch.grid[2])
     cache_seqlens = _cache_seqlens(cache_seqlens, q)
@@ -1222,8 +1235,8 @@ def attention_with_kvcache(
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     out, lse = _decode(
-        q, k_cache, v_cache, cache_seqlens, block_table, float(scale), [*scalars.values(), *tensors.values()],
-        launch, workspace, return_lse,
+        q, k_cache, v_cache, cache_seqlens, None if cache_leftpad is None else cache_leftpad.contiguous(), block_table,
+        float(scale), [*scalars.values(), *tensors.values()], launch, workspace, return_lse,
     )
     return (out, lse) if return_lse else out
 
@@ -3089,14 +3102,15 @@ _SEQLENS_KEPT = 8
 def _cache_seqlens(cache_seqlens, q):
     """cache_seqlens as the kernels take it: an int (not a bool) is every sequence's length, as
     FlashAttention's flash_attn_with_kvcache spells it (clamped into int32; the kernels clamp lengths
-    into the cache); anything else is as _check_kvcache found it.
+    into the cache); anything else is as _check_kvcache found it, made contiguous (the kernels
+    read lengths by index).
 
     The kernels only read it, so the lengths of a recent int are kept per stream (_stream_key) and
     shared: the layers of one decoding step (transformers' generate passes an int) make one tensor,
     not one each (an allocation and a fill launch). Under CUDA-graph capture, fresh ones.
     """
     if not _one_length(cache_seqlens):
-        return cache_seqlens
+        return cache_seqlens.contiguous()
     length = min(max(cache_seqlens, 0), 2**31 - 1)
     stream = _stream_key(q.device)
     if stream is None:
@@ -3110,7 +3124,7 @@ def _cache_seqlens(cache_seqlens, q):
     return lengths
 
 
-def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad):
     """The inputs of attention_with_kvcache: shapes, dtypes, devices and layouts, before any launch."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -3130,6 +3144,8 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table):
             " (caches alike; kv heads dividing q heads)"
         )
     tables = [] if _one_length(cache_seqlens) else [("cache_seqlens", cache_seqlens, (q.shape[0],))]
+    if cache_leftpad is not None:
+        tables.append(("cache_leftpad", cache_leftpad, (q.shape[0],)))
     if block_table is not None:
         tables.append(("block_table", block_table, (q.shape[0], None)))
     elif k_cache.shape[0] != q.shape[0]:
