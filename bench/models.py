@@ -23,8 +23,11 @@ runs `attention`, each later token `attention_with_kvcache`):
      are not compared: with random weights the logits are nearly flat, and bf16 rounding tips ties.)
   2. Speed: greedy generation (`model.generate`) of `--new-tokens` tokens after a `--prompt`-token
      prompt, after one warm-up generation: new tokens/s.
+With `--padded`, the batch's prompts are of unequal length, left-padded as transformers pads them
+for generation (sequence b has b / (2 x batch) of the prompt as padding; attngen runs the prompt
+and each step through attention_with_kvcache with cache_leftpad).
 
-    python bench/models.py [--only gpt2-small,llama-style] [--steps 10] [--generate [--prompt 512] [--new-tokens 64]]
+    python bench/models.py [--only gpt2-small,llama-style] [--steps 10] [--generate [--prompt 512] [--new-tokens 64] [--padded]]
 
 Prints a table last; writes results.json to $OUT (or ./bench-out).
 """
@@ -170,36 +173,48 @@ def training(model: Model, impl: str, tokens, steps: int) -> dict:
     return result
 
 
-def cache_step_logits(m, prompt, steps) -> torch.Tensor:
-    """The logits of each of `steps`' tokens fed one at a time through the cache, after the prompt."""
-    out = m(input_ids=prompt, use_cache=True)
+def cache_step_logits(m, prompt, mask, steps) -> torch.Tensor:
+    """The logits of each of `steps`' tokens fed one at a time through the cache, after the prompt
+    (its padding mask growing by a token a step)."""
+    out = m(input_ids=prompt, attention_mask=mask, use_cache=True)
     logits = []
     for token in steps.T:
-        out = m(input_ids=token[:, None], past_key_values=out.past_key_values, use_cache=True)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        out = m(input_ids=token[:, None], attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
         logits.append(out.logits[:, -1].float())
     return torch.stack(logits)
 
 
-def generation(model: Model, names: dict, prompt_len: int, new_tokens: int) -> dict:
+def generation(model: Model, names: dict, prompt_len: int, new_tokens: int, padded: bool) -> dict:
     """Per implementation: the cache steps' logit error against float32 eager, and the new tokens/s
-    of greedy generation."""
+    of greedy generation; padded: sequence b's prompt left-padded by b / (2 x batch) of it."""
     generator = torch.Generator().manual_seed(2)
-    prompt = torch.randint(0, model.config.vocab_size, (model.batch, prompt_len), generator=generator).cuda()
-    steps = torch.randint(0, model.config.vocab_size, (model.batch, 16), generator=generator).cuda()
+    prompt = torch.randint(1, model.config.vocab_size, (model.batch, prompt_len), generator=generator).cuda()
+    steps = torch.randint(1, model.config.vocab_size, (model.batch, 16), generator=generator).cuda()
+    mask = torch.ones_like(prompt)
+    if padded:
+        for b in range(model.batch):
+            mask[b, : b * prompt_len // (2 * model.batch)] = 0
+        prompt = prompt.masked_fill(mask == 0, 0)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     with torch.no_grad():
         (reference,) = models(model, ["eager"])
-        ref = cache_step_logits(reference.eval(), prompt, steps)
+        ref = cache_step_logits(reference.eval(), prompt, mask, steps)
         del reference
         results = {}
         for impl, m in zip(model.impls, models(model, [names[i] for i in model.impls]), strict=True):
             m = m.eval().to(torch.bfloat16)
-            error = ((cache_step_logits(m, prompt, steps) - ref).norm() / ref.norm()).item()
-            settings = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
-            m.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)  # warm-up: compiles the kernels
+            error = ((cache_step_logits(m, prompt, mask, steps) - ref).norm() / ref.norm()).item()
+            settings = {
+                "max_new_tokens": new_tokens,
+                "min_new_tokens": new_tokens,
+                "do_sample": False,
+                "pad_token_id": 0,
+            }
+            m.generate(prompt, attention_mask=mask, **settings)  # warm-up: compiles the kernels
             torch.cuda.synchronize()
             start = time.perf_counter()
-            out = m.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+            out = m.generate(prompt, attention_mask=mask, **settings)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             rate = (out.shape[1] - prompt_len) * model.batch / seconds
@@ -239,6 +254,7 @@ def main() -> None:
     parser.add_argument("--generate", action="store_true", help="time greedy generation instead of training")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--padded", action="store_true", help="with --generate: left-padded prompts of unequal length")
     args = parser.parse_args()
     chosen = [m for m in MODELS if args.only is None or m.name in args.only.split(",")]
     out_dir = Path(os.environ.get("OUT", "bench-out"))
@@ -250,7 +266,7 @@ def main() -> None:
         "transformers": transformers.__version__,
     }
     if args.generate:
-        generation_table(chosen, args.prompt, args.new_tokens, env, out_dir)
+        generation_table(chosen, args.prompt, args.new_tokens, args.padded, env, out_dir)
         return
     results = []
     for model in chosen:
@@ -274,16 +290,18 @@ def main() -> None:
         print(f"{r['model']:13} attngen within twice the peers' error: {r['agreement']['ok']}")
 
 
-def generation_table(chosen, prompt_len: int, new_tokens: int, env: dict, out_dir: Path) -> None:
+def generation_table(chosen, prompt_len: int, new_tokens: int, padded: bool, env: dict, out_dir: Path) -> None:
     """Each chosen model's generation(), then its table."""
     results = []
     for model in chosen:
-        run = generation(model, registered(model), prompt_len, new_tokens)
+        run = generation(model, registered(model), prompt_len, new_tokens, padded)
         results.append({"model": model.name, "batch": model.batch, "prompt": prompt_len, "new_tokens": new_tokens})
+        results[-1]["padded"] = padded
         results[-1]["generation"] = run
         print(f"{model.name}: {results[-1]}", flush=True)
         (out_dir / "results.json").write_text(json.dumps({"environment": env, "models": results}, indent=1))
-    print(f"\n{env}\ngreedy generation, bf16 weights, DynamicCache: prompts of {prompt_len}, {new_tokens} new tokens")
+    prompts = f"prompts of {prompt_len} left-padded by 0..1/2" if padded else f"prompts of {prompt_len}"
+    print(f"\n{env}\ngreedy generation, bf16 weights, DynamicCache: {prompts}, {new_tokens} new tokens")
     print(f"{'model':13} {'batch':>5} {'impl':8} {'logits err':>10} {'tokens/s':>9} {'/sdpa':>6} {'/eager':>7}")
     for r in results:
         gen = r["generation"]["impls"]
