@@ -102,17 +102,21 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
 
 class _LeftPadding:
     """Each sequence's first key from transformers' padding mask, [batch, kv_len] (1: a token), as
-    attention_with_kvcache's cache_leftpad; the last mask's, kept while that mask is alive and
-    unchanged, so that the layers of one forward check it once."""
+    attention_with_kvcache's cache_leftpad. The last few masks' are kept while those masks are alive
+    and unchanged, so that the layers of one forward check theirs once (a model of sliding-window
+    and full layers passes two)."""
+
+    KEPT = 4
 
     def __init__(self):
-        self._mask, self._version, self._starts = None, None, None
+        self._kept = []  # (weak reference to a mask, its version, kv_len, its starts), the newest first
 
     def of(self, mask, kv_len):
         import torch
 
-        if self._mask is not None and self._mask() is mask and mask._version == self._version:
-            return self._starts
+        for kept, version, keys, starts in self._kept:
+            if kept() is mask and mask._version == version and keys == kv_len:
+                return starts
         if mask.dim() != 2 or mask.shape[1] != kv_len:
             raise ValueError(
                 f"a padding mask of shape {tuple(mask.shape)} for {kv_len} keys: attngen kernels take a 2-D mask"
@@ -125,7 +129,7 @@ class _LeftPadding:
                 " transformers pads prompts for generation: pad on the left (tokenizer.padding_side = 'left')"
             )
         starts = (kv_len - tokens.sum(-1)).to(torch.int32)
-        self._mask, self._version, self._starts = weakref.ref(mask), mask._version, starts
+        self._kept = [(weakref.ref(mask), mask._version, kv_len, starts), *self._kept[: self.KEPT - 1]]
         return starts
 
 

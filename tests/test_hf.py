@@ -193,3 +193,21 @@ def test_a_model_with_sinks_needs_a_spec_with_one():
     q = torch.randn(1, 2, 8, 32)
     with pytest.raises(ValueError, match="attention sinks \\(s_aux\\), and the spec none"):
         attention(None, q, q, q, None, s_aux=torch.zeros(2))
+
+
+def test_a_padding_mask_is_checked_once_while_it_lives_unchanged(monkeypatch):
+    """The layers of a forward share their mask: its starts are computed (and checked, a host
+    synchronisation) once; a mask changed in place, or a new one, is checked again."""
+    padding = attngen.hf._LeftPadding()
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    first = padding.of(mask, 4)
+    assert first.tolist() == [2, 0] and first.dtype == torch.int32
+    assert padding.of(mask, 4) is first
+    other = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 1]])
+    assert padding.of(other, 4).tolist() == [1, 3] and padding.of(mask, 4) is first  # two masks kept
+    mask[0, 2] = 0  # in place: its version moves on
+    assert padding.of(mask, 4).tolist() == [3, 0]
+    with pytest.raises(ValueError, match="left padding only"):
+        padding.of(torch.tensor([[1, 0, 1, 1]]), 4)
+    with pytest.raises(ValueError, match="a padding mask of shape"):
+        padding.of(mask, 5)
