@@ -3,6 +3,8 @@
     import attngen, attngen.hf
     causal = attngen.load("specs/causal.toml")            # the spec's mask is the model's mask
     attngen.hf.register("attngen_causal", causal)
+    # padded batches in training too: the spec's packed form
+    attngen.hf.register("attngen_causal", causal, varlen=attngen.load("specs/causal.toml", varlen=True))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="attngen_causal")
 
 transformers calls the registered function with q, k, v as [batch, heads, seq, head_dim] views of
@@ -19,18 +21,21 @@ whose positions are transformers': the new tokens are the sequence's last. A sli
 cache keeps only the window's keys; masks and scores of relative positions (causal, a window,
 ALiBi, soft-capping) read it right, those of absolute positions (a prefix, documents) would not.
 
-Batched prompts of unequal length, left-padded (as transformers pads them for generation): the
-padding mask becomes `attention_with_kvcache`'s `cache_leftpad`, each sequence's first key, so its
-positions count from its first token (as FlashAttention-2's unpadding makes them) and its pad rows
-give 0; the prompt, too, runs `attention_with_kvcache`, its keys as the cache. The mask is checked
-to be left padding once per forward (one host synchronisation: transformers passes every layer the
-same mask).
+Padded batches (transformers' padding mask), as FlashAttention-2 takes them in transformers: each
+sequence's positions count from its first token, and the pad rows give 0.
+- Registered with the spec's packed module (`varlen=attngen.load(spec, varlen=True)`), a forward
+  over a padded batch (training, a prompt) packs the tokens the mask keeps end to end and runs its
+  `attention_varlen`, gradients included; the mask may be any pattern.
+- A generation step, and without the packed module a prompt too, runs `attention_with_kvcache`
+  with the mask as its `cache_leftpad` (each sequence's first key): left padding only, as
+  transformers pads prompts for generation. The mask is checked once per forward (one host
+  synchronisation: transformers passes every layer the same mask).
 
-What the kernels cannot honour is refused with a clear error, never ignored: dropout, a padding
-mask that is not left padding (right padding, holes, or transformers' StaticCache, which masks its
-unused slots), gradients through a padded batch or a cache step (train on unpadded or packed
-batches: `attention_varlen`). Under autocast, q, k and v are cast to its dtype first, as SDPA does
-(it must be the spec's).
+What the kernels cannot honour is refused with a clear error, never ignored: dropout, a generation
+step's padding that is not left padding (right padding, holes, or transformers' StaticCache, which
+masks its unused slots), gradients through a cache step, or through a padded batch without the
+packed module. Under autocast, q, k and v are cast to its dtype first, as SDPA does (it must be
+the spec's).
 """
 
 from __future__ import annotations
@@ -43,13 +48,15 @@ from typing import Any
 _PER_LAYER_PARAMS = (("sliding_window", "window"), ("softcap", "softcap"))
 
 
-def attention_function(module, params: dict[str, Any] | None = None) -> Callable:
+def attention_function(module, params: dict[str, Any] | None = None, varlen=None) -> Callable:
     """The function transformers' AttentionInterface calls, running `module.attention`.
 
     Args:
         module: A generated triton_gpu module (attngen.load or `attngen build`).
         params: The spec's runtime params for every layer; a layer's own `sliding_window` or
             `softcap` (as transformers passes them) sets the spec's `window` or `softcap` param.
+        varlen: The spec's packed triton_gpu module (attngen.load(spec, varlen=True)), for padded
+            batches (see the module doc); None: a padded batch runs attention_with_kvcache.
     """
     import torch
 
@@ -84,20 +91,45 @@ def attention_function(module, params: dict[str, Any] | None = None) -> Callable
             out = module.attention(query, key, value, scale=scaling, **layer)
             # [batch, seq, heads, head_dim]: contiguous, as the kernels wrote it in the projections' order.
             return out.transpose(1, 2), None
+        if query.shape[2] == key.shape[2] and varlen is not None:
+            return _unpadded(varlen, query, key, value, attention_mask, scaling, layer), None
         # A generation step (the new tokens against every key so far, the last of which are
         # theirs) or a padded batch: attention_with_kvcache, the keys as its cache.
         if attention_mask is not None:
             layer["cache_leftpad"] = padding.of(attention_mask, key.shape[2])
         if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
             what = "a padded batch" if attention_mask is not None else "a step from a cache"
+            remedy = (
+                "register the spec's packed module too: attngen.hf.register(..., varlen=attngen.load(spec, varlen=True))"
+                if query.shape[2] == key.shape[2]
+                else "train without the cache"
+            )
             raise ValueError(
                 f"{query.shape[2]} queries against {key.shape[2]} keys with gradients: {what} runs"
-                " attention_with_kvcache, which is inference only (train on unpadded or packed batches)"
+                f" attention_with_kvcache, which is inference only ({remedy})"
             )
         out = module.attention_with_kvcache(query, key, value, key.shape[2], scale=scaling, **layer)
         return out.transpose(1, 2), None
 
     return attngen_attention
+
+
+def _unpadded(varlen, query, key, value, mask, scale, params):
+    """Attention within each sequence of the tokens the padding mask ([batch, seq], 1: a token)
+    keeps, packed end to end as FlashAttention-2's unpadding packs them, by the packed module's
+    attention_varlen; the padding's rows give 0. [batch, seq, heads, head_dim_v], differentiable."""
+    import torch
+
+    batch, seq = query.shape[0], query.shape[2]
+    if tuple(mask.shape) != (batch, seq):
+        raise ValueError(f"a padding mask of shape {tuple(mask.shape)} for {batch} sequences of {seq} tokens")
+    keep = mask.bool()
+    tokens = keep.flatten().nonzero().flatten()  # (a host synchronisation)
+    lengths = keep.sum(-1, dtype=torch.int32)
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+    packed = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], x.shape[3])[tokens] for x in (query, key, value))
+    out = varlen.attention_varlen(*packed, cu_seqlens, cu_seqlens, scale=scale, **params)
+    return out.new_zeros(batch * seq, *out.shape[1:]).index_copy(0, tokens, out).view(batch, seq, *out.shape[1:])
 
 
 class _LeftPadding:
@@ -133,16 +165,16 @@ class _LeftPadding:
         return starts
 
 
-def register(name: str, module, params: dict[str, Any] | None = None) -> str:
-    """Register `module` as transformers attention `name`; returns `name` for `attn_implementation`.
+def register(name: str, module, params: dict[str, Any] | None = None, varlen=None) -> str:
+    """Register `module` as transformers attention `name` (params and varlen: attention_function's);
+    returns `name` for `attn_implementation`.
 
     The mask function registered with it is transformers' own for FlashAttention-2: no mask at all
-    without padding, else the [batch, kv_len] padding mask, which the attention function takes as
-    left padding (or refuses).
+    without padding, else the [batch, kv_len] padding mask (see the module doc).
     """
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import flash_attention_mask
 
-    AttentionInterface.register(name, attention_function(module, params))
+    AttentionInterface.register(name, attention_function(module, params, varlen))
     AttentionMaskInterface.register(name, flash_attention_mask)
     return name

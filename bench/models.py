@@ -25,7 +25,8 @@ runs `attention`, each later token `attention_with_kvcache`):
      prompt, after one warm-up generation: new tokens/s.
 With `--padded`, the batch's prompts are of unequal length, left-padded as transformers pads them
 for generation (sequence b has b / (2 x batch) of the prompt as padding; attngen runs the prompt
-and each step through attention_with_kvcache with cache_leftpad).
+through the spec's packed module, attention_varlen, and each step through attention_with_kvcache
+with cache_leftpad).
 
     python bench/models.py [--only gpt2-small,llama-style] [--steps 10] [--generate [--prompt 512] [--new-tokens 64] [--padded]]
 
@@ -231,7 +232,8 @@ def registered(model: Model) -> dict:
         spec = retarget(load_spec(ROOT / "specs" / "causal.toml"), model.head_dim, "bfloat16")
     else:
         spec = parse_spec(model.spec, "bench/models.py")
-    names = {"attngen": attngen.hf.register(f"attngen_{spec.name}", load(spec, "triton_gpu"), model.params)}
+    module, varlen = load(spec, "triton_gpu"), load(spec, "triton_gpu", varlen=True)
+    names = {"attngen": attngen.hf.register(f"attngen_{spec.name}", module, model.params, varlen=varlen)}
     return names | {peer: peer for peer in model.peers}
 
 

@@ -1,9 +1,10 @@
 """attngen.hf: generated kernels inside Hugging Face transformers models (Triton interpreter). A
 GPT-2 and a Llama-style model (grouped kv heads, RoPE), random weights from a small config: the loss
 and every parameter's gradient agree with transformers' eager attention, and so does greedy
-generation (its steps through attention_with_kvcache), left-padded prompts included; what the
-kernels cannot honour (dropout, right padding, gradients through a padded batch or a cache step)
-is refused."""
+generation (its steps through attention_with_kvcache), left-padded prompts included, and training
+on padded batches through the spec's packed module; what the kernels cannot honour (dropout, a
+generation step's right padding, gradients through a cache step or through a padded batch
+without the packed module) is refused."""
 
 import copy
 
@@ -12,6 +13,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import attngen.hf
+from attngen.spec import packed
 from tests import harness
 from tests.strategies import spec_toml
 
@@ -19,6 +21,13 @@ from tests.strategies import spec_toml
 def _causal(head_dim: int, dtype: str = "float32"):
     return harness.load_target(
         harness.spec_from_text(spec_toml("kv_idx <= q_idx", head_dim=head_dim, extra=(f'dtype = "{dtype}"',))),
+        "triton_gpu",
+    )
+
+
+def _causal_varlen(head_dim: int):
+    return harness.load_target(
+        packed(harness.spec_from_text(spec_toml("kv_idx <= q_idx", head_dim=head_dim, extra=('dtype = "float32"',)))),
         "triton_gpu",
     )
 
@@ -59,6 +68,34 @@ def test_a_model_trains_through_the_registered_kernels(model_name):
     tokens = torch.randint(0, config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(1))
     loss, grads = _loss_and_grads(ours, tokens)
     ref_loss, ref_grads = _loss_and_grads(eager, tokens)
+    assert abs(loss.item() - ref_loss.item()) < 1e-5
+    for (param_name, _), grad, ref in zip(ours.named_parameters(), grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref, atol=2e-5, rtol=1e-4, msg=param_name)
+
+
+@pytest.mark.parametrize("model_name", sorted(CONFIGS))
+def test_a_model_trains_on_padded_batches_through_the_packed_kernels(model_name):
+    """Registered with the spec's packed module, a padded batch (right padding, left padding and a
+    hole) trains through attention_varlen: the loss over the tokens and every gradient as eager
+    attention's with the same mask."""
+    make, config, head_dim = CONFIGS[model_name]
+    name = attngen.hf.register(
+        f"attngen_test_padded_training_{model_name}", _causal(head_dim), varlen=_causal_varlen(head_dim)
+    )
+    eager, ours = _models(make, config, name)
+    tokens = torch.randint(0, config.vocab_size, (3, 23), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(tokens)
+    mask[0, 17:], mask[1, :6], mask[2, 9:12] = 0, 0, 0
+    # No loss on the padding, nor on a token predicted from it (a pad row's output is 0 here, and
+    # whatever eager's softmax over no key gives there)
+    labels = tokens.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+
+    def loss_and_grads(model):
+        loss = model(input_ids=tokens, attention_mask=mask, labels=labels).loss
+        return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+    (loss, grads), (ref_loss, ref_grads) = loss_and_grads(ours), loss_and_grads(eager)
     assert abs(loss.item() - ref_loss.item()) < 1e-5
     for (param_name, _), grad, ref in zip(ours.named_parameters(), grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref, atol=2e-5, rtol=1e-4, msg=param_name)
@@ -120,11 +157,14 @@ def test_greedy_generation_through_the_cache_matches_eager_attention(model_name)
 
 
 @pytest.mark.parametrize("model_name", sorted(CONFIGS))
-def test_left_padded_prompts_generate_as_eager_attention_does(model_name):
-    """Prompts of 9, 4 and 6 tokens, left-padded: the padding mask becomes cache_leftpad, for the
-    prompt and for each step; the same tokens and logits as eager attention with the mask."""
+@pytest.mark.parametrize("varlen", [False, True])
+def test_left_padded_prompts_generate_as_eager_attention_does(model_name, varlen):
+    """Prompts of 9, 4 and 6 tokens, left-padded: the padding mask becomes cache_leftpad at each
+    step, and for the prompt too without the packed module (with it, attention_varlen runs the
+    prompt); the same tokens and logits as eager attention with the mask."""
     make, config, head_dim = CONFIGS[model_name]
-    name = attngen.hf.register(f"attngen_test_padded_{model_name}", _causal(head_dim))
+    packed_module = _causal_varlen(head_dim) if varlen else None
+    name = attngen.hf.register(f"attngen_test_padded_{model_name}_{varlen}", _causal(head_dim), varlen=packed_module)
     eager, ours = _models(make, config, name)
     prompt = torch.randint(1, config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(prompt)
