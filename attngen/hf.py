@@ -30,12 +30,13 @@ sequence's positions count from its first token, and the pad rows give 0.
   with the mask as its `cache_leftpad` (each sequence's first key): left padding only, as
   transformers pads prompts for generation. The mask is checked once per forward (one host
   synchronisation: transformers passes every layer the same mask).
+- transformers' StaticCache (`cache_implementation="static"`) passes every slot of its cache and a
+  mask over the first ones, those in use: their count is the cache length.
 
 What the kernels cannot honour is refused with a clear error, never ignored: dropout, a generation
-step's padding that is not left padding (right padding, holes, or transformers' StaticCache, which
-masks its unused slots), gradients through a cache step, or through a padded batch without the
-packed module. Under autocast, q, k and v are cast to its dtype first, as SDPA does (it must be
-the spec's).
+step's padding that is not left padding (right padding, holes), a static sliding-window cache,
+gradients through a cache step, or through a padded batch without the packed module. Under
+autocast, q, k and v are cast to its dtype first, as SDPA does (it must be the spec's).
 """
 
 from __future__ import annotations
@@ -94,7 +95,14 @@ def attention_function(module, params: dict[str, Any] | None = None, varlen=None
         if query.shape[2] == key.shape[2] and varlen is not None:
             return _unpadded(varlen, query, key, value, attention_mask, scaling, layer), None
         # A generation step (the new tokens against every key so far, the last of which are
-        # theirs) or a padded batch: attention_with_kvcache, the keys as its cache.
+        # theirs) or a padded batch: attention_with_kvcache, the keys as its cache (its slots in
+        # use: the mask's, with a StaticCache).
+        lengths = key.shape[2] if attention_mask is None else attention_mask.shape[-1]
+        if lengths < key.shape[2] and kwargs.get("sliding_window") is not None:
+            raise ValueError(
+                "a static sliding-window cache (a mask over fewer keys than the cache's, with a window):"
+                " attngen kernels read caches in position order; use the default DynamicCache"
+            )
         if attention_mask is not None:
             layer["cache_leftpad"] = padding.of(attention_mask, key.shape[2])
         if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
@@ -108,7 +116,7 @@ def attention_function(module, params: dict[str, Any] | None = None, varlen=None
                 f"{query.shape[2]} queries against {key.shape[2]} keys with gradients: {what} runs"
                 f" attention_with_kvcache, which is inference only ({remedy})"
             )
-        out = module.attention_with_kvcache(query, key, value, key.shape[2], scale=scaling, **layer)
+        out = module.attention_with_kvcache(query, key, value, lengths, scale=scaling, **layer)
         return out.transpose(1, 2), None
 
     return attngen_attention
@@ -133,8 +141,8 @@ def _unpadded(varlen, query, key, value, mask, scale, params):
 
 
 class _LeftPadding:
-    """Each sequence's first key from transformers' padding mask, [batch, kv_len] (1: a token), as
-    attention_with_kvcache's cache_leftpad. The last few masks' are kept while those masks are alive
+    """Each sequence's first key from transformers' padding mask, [batch, up to kv_len] (1: a
+    token; a StaticCache's covers the slots in use), as attention_with_kvcache's cache_leftpad. The last few masks' are kept while those masks are alive
     and unchanged, so that the layers of one forward check theirs once (a model of sliding-window
     and full layers passes two)."""
 
@@ -149,10 +157,9 @@ class _LeftPadding:
         for kept, version, keys, starts in self._kept:
             if kept() is mask and mask._version == version and keys == kv_len:
                 return starts
-        if mask.dim() != 2 or mask.shape[1] != kv_len:
+        if mask.dim() != 2 or mask.shape[1] > kv_len:
             raise ValueError(
                 f"a padding mask of shape {tuple(mask.shape)} for {kv_len} keys: attngen kernels take a 2-D mask"
-                " over every key (transformers' StaticCache masks its unused slots: use the default DynamicCache)"
             )
         tokens = mask.bool().int()
         if not bool((tokens[:, 1:] >= tokens[:, :-1]).all()):  # (the host synchronisation)
@@ -160,7 +167,7 @@ class _LeftPadding:
                 "attngen kernels take left padding only (a mask of zeros, then ones, per sequence), as"
                 " transformers pads prompts for generation: pad on the left (tokenizer.padding_side = 'left')"
             )
-        starts = (kv_len - tokens.sum(-1)).to(torch.int32)
+        starts = (mask.shape[1] - tokens.sum(-1)).to(torch.int32)  # (the leading zeros)
         self._kept = [(weakref.ref(mask), mask._version, kv_len, starts), *self._kept[: self.KEPT - 1]]
         return starts
 

@@ -157,11 +157,12 @@ def test_greedy_generation_through_the_cache_matches_eager_attention(model_name)
 
 
 @pytest.mark.parametrize("model_name", sorted(CONFIGS))
-@pytest.mark.parametrize("varlen", [False, True])
-def test_left_padded_prompts_generate_as_eager_attention_does(model_name, varlen):
+@pytest.mark.parametrize("varlen, cache", [(False, "dynamic"), (True, "dynamic"), (False, "static")])
+def test_left_padded_prompts_generate_as_eager_attention_does(model_name, varlen, cache):
     """Prompts of 9, 4 and 6 tokens, left-padded: the padding mask becomes cache_leftpad at each
     step, and for the prompt too without the packed module (with it, attention_varlen runs the
-    prompt); the same tokens and logits as eager attention with the mask."""
+    prompt); transformers' StaticCache passes all its slots, the mask those in use. The same tokens
+    and logits as eager attention with the mask and the same cache."""
     make, config, head_dim = CONFIGS[model_name]
     packed_module = _causal_varlen(head_dim) if varlen else None
     name = attngen.hf.register(f"attngen_test_padded_{model_name}_{varlen}", _causal(head_dim), varlen=packed_module)
@@ -176,6 +177,7 @@ def test_left_padded_prompts_generate_as_eager_attention_does(model_name, varlen
             max_new_tokens=4,
             do_sample=False,
             pad_token_id=0,
+            cache_implementation=cache,
             output_logits=True,
             return_dict_in_generate=True,
         )
@@ -250,4 +252,4 @@ def test_a_padding_mask_is_checked_once_while_it_lives_unchanged(monkeypatch):
     with pytest.raises(ValueError, match="left padding only"):
         padding.of(torch.tensor([[1, 0, 1, 1]]), 4)
     with pytest.raises(ValueError, match="a padding mask of shape"):
-        padding.of(mask, 5)
+        padding.of(mask, 3)
