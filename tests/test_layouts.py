@@ -1,7 +1,8 @@
 """FlashAttention's layout, [batch, seq, heads, head_dim], on both targets: `layout="bshd"` gives
-the same attention and gradients as the default layout, against the float64 reference. On the
-Triton target q, k and v are read in place, even sliced from one fused QKV projection, and the
-output is written in the caller's layout (no copies)."""
+the same attention and gradients as the default layout, against the float64 reference, and the
+same decoding from a KV cache (flash_attn_with_kvcache's layouts). On the Triton target q, k and v
+are read in place, even sliced from one fused QKV projection, and the output is written in the
+caller's layout (no copies)."""
 
 import numpy as np
 import pytest
@@ -81,3 +82,53 @@ def test_an_unknown_layout_is_refused(target):
     q = np.zeros((1, 1, 4, DIM), np.float32)  # refused before any array is read
     with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd', got 'sbhd'"):
         module.attention(q, q, q, layout="sbhd")
+
+
+@pytest.mark.parametrize("target", harness.TARGETS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_takes_flashattentions_layout(target, paged):
+    """attention_with_kvcache(layout="bshd"): q [B, T, H, D], caches [B, S, H_kv, D] or pages
+    [pages, page_size, H_kv, D], new k, v [B, T, H_kv, D], appended; the same output (in bshd) and
+    caches as the default layout given the same arrays transposed."""
+    rng = np.random.default_rng(5)
+    batch, tokens, page_size, pages = 2, 3, 16, 4  # 64 keys a sequence
+    draw = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    q, k_new, v_new = (
+        draw(batch, tokens, HEADS, DIM),
+        draw(batch, tokens, KV_HEADS, DIM),
+        draw(batch, tokens, KV_HEADS, DIM),
+    )
+    rows = batch * pages if paged else batch
+    k_cache, v_cache = (draw(rows, page_size if paged else pages * page_size, KV_HEADS, DIM) for _ in range(2))
+    table = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32) if paged else None
+    lens = np.array([40, 13], np.int32)  # cached before the new tokens
+    bhsd = lambda *arrays: [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in arrays]
+    if target == "triton":
+        import torch
+
+        module = harness.load_target(harness.spec_from_text(SPEC), "triton_gpu")
+
+        def run(layout, q, k_cache, v_cache, k, v):
+            caches = [torch.from_numpy(c.copy()) for c in (k_cache, v_cache)]
+            out = module.attention_with_kvcache(
+                torch.from_numpy(q), *caches, torch.from_numpy(lens), k=torch.from_numpy(k), v=torch.from_numpy(v),
+                block_table=None if table is None else torch.from_numpy(table), layout=layout,
+            )  # fmt: skip
+            return out.numpy(), caches[0].numpy(), caches[1].numpy()
+    else:
+        import jax.numpy as jnp
+
+        module = harness.load_target(harness.spec_from_text(SPEC), "pallas_tpu")
+
+        def run(layout, q, k_cache, v_cache, k, v):
+            results = module.attention_with_kvcache(
+                *(jnp.asarray(x) for x in (q, k_cache, v_cache)), jnp.asarray(lens), k=jnp.asarray(k), v=jnp.asarray(v),
+                block_table=None if table is None else jnp.asarray(table), layout=layout, interpret=True,
+            )  # fmt: skip
+            return tuple(np.asarray(x) for x in results)
+
+    out, k_after, v_after = run("bshd", q, k_cache, v_cache, k_new, v_new)
+    expected = run("bhsd", *bhsd(q, k_cache, v_cache, k_new, v_new))
+    assert out.shape == q.shape and k_after.shape == k_cache.shape
+    for got, want in zip((out, k_after, v_after), expected, strict=True):
+        np.testing.assert_array_equal(np.swapaxes(got, 1, 2), want)

@@ -1125,7 +1125,7 @@ def _merge_chunk(tile_rows, num_splits):
 
 def attention_with_kvcache(
     q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, scale=None,
-    return_lse=False, num_splits=None, workspace=None, **params
+    return_lse=False, num_splits=None, workspace=None, layout="bhsd", **params
 ):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `full`; inference only (no autograd).
@@ -1154,6 +1154,9 @@ def attention_with_kvcache(
             the spec sees its positions counted from there (its length cache_seqlens[b] - cache_leftpad[b]).
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
+        layout: "bhsd" (the shapes above) or "bshd", FlashAttention's: q [batch, T, heads, d], caches
+            [batch, max_len, kv_heads, d] or pages [num_pages, page_size, kv_heads, d], k and v
+            [batch, T_new, kv_heads, d]; the output too.
         num_splits: how many programs share the keys of one sequence (default: enough to fill the GPU).
         workspace: kvcache_workspace(device)'s counters, reused across calls (as serving engines keep
             one per stream): no memset a call. Default: eager calls share counters kept per stream;
@@ -1162,6 +1165,7 @@ def attention_with_kvcache(
     Returns:
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
     """
+    q, k_cache, v_cache, k, v = _as_bhsd(layout, q, k_cache, v_cache, k, v)
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad)
     scalars, tensors = _check_params(params)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
@@ -1178,6 +1182,7 @@ def attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, None if cache_leftpad is None else cache_leftpad.contiguous(), block_table,
         float(scale), [*scalars.values(), *tensors.values()], launch, workspace, return_lse,
     )
+    (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
 
 

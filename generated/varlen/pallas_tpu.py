@@ -496,7 +496,7 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
 
 def attention_with_kvcache(
     q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, scale=None,
-    return_lse=False, interpret=False, **params
+    return_lse=False, interpret=False, layout="bhsd", **params
 ):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `varlen`; inference only (not differentiable).
@@ -525,6 +525,9 @@ def attention_with_kvcache(
             the spec sees its positions counted from there (its length cache_seqlens[b] - cache_leftpad[b]).
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
+        layout: "bhsd" (the shapes above) or "bshd", FlashAttention's: q [batch, T, heads, d], caches
+            [batch, max_len, kv_heads, d] or pages [num_pages, page_size, kv_heads, d], k and v
+            [batch, T_new, kv_heads, d]; the output and the caches returned too.
         interpret: passed to pallas_call: True, or pltpu.InterpretParams(...) to run on CPU.
         seq_q (tensor batch, q_len, int32): runtime tensor of the spec;
             q_len and kv_len axes span the cache's capacity (positions, not new tokens).
@@ -539,6 +542,7 @@ def attention_with_kvcache(
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
         With k and v: (out[, lse], k_cache, v_cache), the caches holding the appended tokens.
     """
+    q, k_cache, v_cache, k, v = _as_bhsd(layout, q, k_cache, v_cache, k, v)
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad)
     cache_seqlens = _cache_seqlens(cache_seqlens, q)
     appended = k is not None or v is not None
@@ -559,9 +563,9 @@ def attention_with_kvcache(
         starts = jnp.clip(starts, 0, ends)
         gathered = _decode_gathered(ends, starts, group, q.shape[2], kv_heads, capacity, *scalar_values, *tensors.values())
         out, lse = _decode(q, k_cache, v_cache, prefetch, gathered, interpret)
-    results = (out, lse) if return_lse else (out,)
+    results = (*_as_bhsd(layout, out), lse) if return_lse else _as_bhsd(layout, out)
     if appended:
-        results += (k_cache, v_cache)
+        results += _as_bhsd(layout, k_cache, v_cache)
     return results if len(results) > 1 else out
 
 
