@@ -198,11 +198,14 @@ def test_pallas_pages_larger_than_a_block():
 
 
 @pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
-@pytest.mark.parametrize("spec_name, page_size", [("causal", None), ("sliding_window", 16), ("alibi", 32)])
+@pytest.mark.parametrize(
+    "spec_name, page_size",
+    [("causal", None), ("sliding_window", 16), ("alibi", 32), ("document", 16), ("relative_bias", None)],
+)
 def test_left_padded_sequences_start_where_cache_leftpad_says(target, spec_name, page_size):
     """cache_leftpad (FlashAttention's): sequence b is its cache's rows leftpad[b] .. seqlens[b] - 1,
     its positions counted from there; starts inside a block (of either target), a sequence that
-    fills its cache, one of 5 keys, over pages and splits."""
+    fills its cache, one of 5 keys, over pages and splits; tensor params read at those positions."""
     problem = {
         "dtype": "float32", "batch": 3, "kv_heads": 2, "heads": 4, "new_tokens": 3, "capacity": 192,
         "page_size": page_size, "seqlens": [192, 150, 70], "leftpad": [0, 77, 65], "num_splits": 2, "seed": 5,
