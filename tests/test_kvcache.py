@@ -213,6 +213,23 @@ def test_left_padded_sequences_start_where_cache_leftpad_says(target, spec_name,
     check(spec_name, problem, target)
 
 
+@pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
+def test_a_pool_of_cache_slots_is_a_block_table_of_one_page_each(target):
+    """FlashAttention's cache_batch_idx (batch entry b reads cache slot idx[b] of a pool): a block
+    table of one page per sequence, the page a whole slot. The same output as the slots gathered."""
+    rng = np.random.default_rng(8)
+    slots, batch, kv_heads, heads, length = 5, 3, 2, 4, 96
+    q = rng.standard_normal((batch, heads, 2, 32)).astype(np.float32)
+    pool_k, pool_v = (rng.standard_normal((slots, kv_heads, length, 32)).astype(np.float32) for _ in range(2))
+    index = np.array([4, 0, 2], np.int32)
+    lens = np.array([96, 40, 7], np.int32)
+    spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
+    pooled = _run(target, spec, "float32", q, pool_k, pool_v, lens, index[:, None], None, None, {})
+    gathered = _run(target, spec, "float32", q, pool_k[index], pool_v[index], lens, None, None, None, {})
+    for got, want in zip(pooled, gathered, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_a_split_of_no_keys_merges_to_nothing():
     """A sliding window visits only its window of the cache; splits beyond it see no key, and the
     merge must not let them change a row (their LSE is -inf)."""

@@ -3017,7 +3017,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpa
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if block_table is not None and block_table.stride(-1) != 1:
+    if block_table is not None and block_table.stride(-1) != 1 and block_table.shape[-1] > 1:
         raise ValueError("block_table must have a contiguous last dim")
 
 
