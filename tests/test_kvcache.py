@@ -431,6 +431,22 @@ def test_lengths_are_read_whatever_their_strides():
     )
 
 
+@pytest.mark.parametrize("new_tokens", [1, 3])
+def test_q_is_read_through_its_strides(new_tokens):
+    """q sliced from a fused QKV projection in FlashAttention's layout (transformers' GPT-2 passes
+    such views): the same bits as its contiguous copy."""
+    module = harness.load_target(retarget(load_spec("specs/causal.toml"), 32, "float32"), "triton_gpu")
+    generator = torch.Generator().manual_seed(9)
+    fused = torch.randn(2, new_tokens, 4 + 2 * 2, 32, generator=generator)  # [batch, T, q heads + k and v heads, d]
+    q = fused[:, :, :4].transpose(1, 2)
+    assert not q.is_contiguous()
+    k, v = (torch.randn(2, 2, 64, 32, generator=generator) for _ in range(2))
+    lens = torch.tensor([64, 20], dtype=torch.int32)
+    assert torch.equal(
+        module.attention_with_kvcache(q, k, v, lens), module.attention_with_kvcache(q.contiguous(), k, v, lens)
+    )
+
+
 def test_pallas_bad_inputs_are_refused_before_launch():
     """The checks the Triton module makes, shared (attngen/templates/common/checks.py.jinja), on
     jax arrays: what jax arrays cannot get wrong (strides, devices) aside."""

@@ -275,6 +275,9 @@ KERNELS = (
             ("v_stride_page", Arg("i32", divisible=True)),
             ("v_stride_head", Arg("i32", divisible=True)),
             ("v_stride_row", Arg("i32", divisible=True)),
+            ("q_stride_b", Arg("i32", divisible=True)),
+            ("q_stride_h", Arg("i32", divisible=True)),
+            ("q_stride_t", Arg("i32", divisible=True)),
             ("scale", Arg("fp32")),
         ),
         # One query head per kv head, a contiguous cache (PAGE_SIZE 0), no split: each of those

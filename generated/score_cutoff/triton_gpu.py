@@ -820,7 +820,8 @@ def _decode_kv_blocks(
 def _decode_fwd(
     Q, K, V, O, LSE, O_PARTS, LSE_PARTS, SPLITS_DONE, CACHE_SEQLENS, CACHE_LEFTPAD, BLOCK_TABLE,
     num_heads, new_tokens, capacity, num_pages, table_stride, k_stride_page, k_stride_head,
-    k_stride_row, v_stride_page, v_stride_head, v_stride_row, scale, param_bound, param_bound_size0,
+    k_stride_row, v_stride_page, v_stride_head, v_stride_row, q_stride_b, q_stride_h, q_stride_t, scale,
+    param_bound, param_bound_size0,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, LEFTPAD: tl.constexpr, SPLIT: tl.constexpr, MERGE_M: tl.constexpr,
     MERGE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -872,7 +873,9 @@ def _decode_fwd(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     out_rows = ((b * num_heads + h_kv * GROUP) * new_tokens + r).to(tl.int64)  # rows of [B * H * new_tokens]
-    q = tl.load(Q + out_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    # q read in place through its strides (a view of a fused projection, FlashAttention's layout)
+    q_rows = b.to(tl.int64) * q_stride_b + h * q_stride_h + (q_idx - (seq_len - new_tokens)) * q_stride_t
+    q = tl.load(Q + q_rows + offs_d[None, :], mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -1059,11 +1062,12 @@ def _decode(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, scal
         splits_done = _stream_counters(q.device, kv_tiles * row_blocks) if workspace is None else workspace
     table = cache_seqlens if block_table is None else block_table  # (unread without pages)
     leftpad = cache_seqlens if cache_leftpad is None else cache_leftpad  # (unread without)
+    q = q if q.stride(-1) == 1 else q.contiguous()
     _launch(
         _decode_fwd, launch.grid,
-        q.contiguous(), k_cache, v_cache, out, lse, parts, lse_parts, splits_done,
+        q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done,
         cache_seqlens, leftpad, table, heads, new_tokens, launch.capacity, k_cache.shape[0],
-        table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], scale, *params,
+        table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3], scale, *params,
         **launch.constants,
     )
     return out, lse
