@@ -164,8 +164,10 @@ class _LeftPadding:
         tokens = mask.bool().int()
         if not bool((tokens[:, 1:] >= tokens[:, :-1]).all()):  # (the host synchronisation)
             raise ValueError(
-                "attngen kernels take left padding only (a mask of zeros, then ones, per sequence), as"
-                " transformers pads prompts for generation: pad on the left (tokenizer.padding_side = 'left')"
+                "attngen kernels take left padding only (a mask of zeros, then ones, per sequence) from a"
+                " cache, as transformers pads prompts for generation: pad on the left (tokenizer.padding_side"
+                " = 'left'). A forward without a cache takes any padding with the spec's packed module:"
+                " attngen.hf.register(..., varlen=attngen.load(spec, varlen=True))"
             )
         starts = (mask.shape[1] - tokens.sum(-1)).to(torch.int32)  # (the leading zeros)
         self._kept = [(weakref.ref(mask), mask._version, kv_len, starts), *self._kept[: self.KEPT - 1]]
