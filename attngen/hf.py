@@ -142,9 +142,9 @@ def _unpadded(varlen, query, key, value, mask, scale, params):
 
 class _LeftPadding:
     """Each sequence's first key from transformers' padding mask, [batch, up to kv_len] (1: a
-    token; a StaticCache's covers the slots in use), as attention_with_kvcache's cache_leftpad. The last few masks' are kept while those masks are alive
-    and unchanged, so that the layers of one forward check theirs once (a model of sliding-window
-    and full layers passes two)."""
+    token; a StaticCache's covers the slots in use), as attention_with_kvcache's cache_leftpad.
+    The last few masks' are kept while those masks are alive and unchanged, so that the layers of
+    one forward check theirs once (a model of sliding-window and full layers passes two)."""
 
     KEPT = 4
 
