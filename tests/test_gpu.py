@@ -283,16 +283,22 @@ def test_the_fp8_forward_is_exact_for_every_spec(name):
     assert_forward(FP8, *results)
 
 
-@pytest.mark.parametrize("leftpad", [None, (0, 300, 17, 1500)])
-def test_decoding_from_a_paged_cache_on_the_gpu(leftpad):
-    """Each sequence's new tokens against its pages (in random order), and with left padding
-    (cache_leftpad): the sequence from that row on, its positions counted from there."""
+@pytest.mark.parametrize(
+    "leftpad, tokens",
+    [(None, None), ((0, 300, 17, 1500), None), (None, (40, 0, 1, 3))],
+    ids=["uniform", "leftpad", "ragged"],
+)
+def test_decoding_from_a_paged_cache_on_the_gpu(leftpad, tokens):
+    """Each sequence's new tokens against its pages (in random order); with left padding
+    (cache_leftpad): the sequence from that row on, its positions counted from there; ragged
+    (cu_seqlens_q): a chunk of 40 tokens, none, one and three in one launch."""
     spec = load_spec("specs/causal.toml")
     module = harness.load_target(spec, "triton_gpu")
-    batch, heads, kv_heads, new_tokens, page_size, pages = 4, 8, 2, 3, 64, 40  # 2560 keys a sequence
+    batch, heads, kv_heads, page_size, pages = 4, 8, 2, 64, 40  # 2560 keys a sequence
+    ragged, tokens = tokens is not None, tokens or (3,) * batch
     generator = torch.Generator(device="cuda").manual_seed(0)
     k, v = (torch.randn(batch, kv_heads, pages * page_size, 128, device="cuda", generator=generator) for _ in range(2))
-    q = torch.randn(batch, heads, new_tokens, 128, device="cuda", generator=generator)
+    q = [torch.randn(1, heads, t, 128, device="cuda", generator=generator).bfloat16() for t in tokens]
     lens = torch.tensor([2560, 1000, 64, 2049], dtype=torch.int32, device="cuda")
     order = torch.randperm(batch * pages, device="cuda", generator=generator)
     table = order.view(batch, pages).int()
@@ -304,31 +310,41 @@ def test_decoding_from_a_paged_cache_on_the_gpu(leftpad):
         )
         return out.bfloat16()
 
-    q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
+    k16, v16 = (x.bfloat16() for x in (k, v))
     starts = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device="cuda")
-    out, lse = module.attention_with_kvcache(
-        q16, paged(k), paged(v), lens, block_table=table, cache_leftpad=starts, return_lse=True
-    )
+    if not ragged:
+        out, lse = module.attention_with_kvcache(
+            torch.cat(q), paged(k), paged(v), lens, block_table=table, cache_leftpad=starts, return_lse=True
+        )
+        rows = [(out[b : b + 1], lse[b : b + 1]) for b in range(batch)]
+    else:  # packed [total_q, heads, 128]: each sequence's rows back as [1, heads, T, 128]
+        cu = torch.tensor([0, *tokens], device="cuda").cumsum(0).int()
+        packed = torch.cat([x[0].transpose(0, 1) for x in q])
+        out, lse = module.attention_with_kvcache(
+            packed, paged(k), paged(v), lens, block_table=table, cu_seqlens_q=cu, return_lse=True
+        )
+        rows = [(out[a:z].transpose(0, 1)[None], lse[:, a:z][None]) for a, z in zip(cu[:-1].tolist(), cu[1:].tolist())]
     for b, end in enumerate(lens.tolist()):
         start = 0 if leftpad is None else leftpad[b]
         length = end - start
         causal = (
             torch.arange(length, device="cuda")[None, :]
-            <= torch.arange(length - new_tokens, length, device="cuda")[:, None]
+            <= torch.arange(length - tokens[b], length, device="cuda")[:, None]
         )
 
         def reference(dtype, b=b, start=start, end=end, causal=causal):
             keys, values = (
                 x[b : b + 1, :, start:end].repeat_interleave(heads // kv_heads, 1).to(dtype) for x in (k16, v16)
             )
-            scores = (q16[b : b + 1].to(dtype) @ keys.transpose(-1, -2)).double() / 128**0.5
+            scores = (q[b].to(dtype) @ keys.transpose(-1, -2)).double() / 128**0.5
             scores = scores.masked_fill(~causal, float("-inf"))
             probs = torch.softmax(scores, -1)
             return (probs.to(dtype) @ values).double(), torch.logsumexp(scores, -1)
 
-        ref_out, ref_lse = reference(torch.float64)
-        base_out, _ = reference(torch.bfloat16)
-        assert_forward("bfloat16", out[b : b + 1], lse[b : b + 1], ref_out, ref_lse, base_out)
+        if tokens[b]:
+            ref_out, ref_lse = reference(torch.float64)
+            base_out, _ = reference(torch.bfloat16)
+            assert_forward("bfloat16", *rows[b], ref_out, ref_lse, base_out)
 
 
 def test_the_last_split_merges_exactly_and_repeatably_on_the_gpu():

@@ -49,12 +49,15 @@ def problems(draw):
     page_size = draw(st.sampled_from([16, 32, 64])) if paged else None
     capacity = draw(st.sampled_from([64, 128, 192])) if paged else draw(st.integers(new_tokens, 200))
     seqlens = draw(st.lists(st.integers(new_tokens, capacity), min_size=batch, max_size=batch))
+    # Ragged (cu_seqlens_q): up to new_tokens new tokens a sequence, none for some.
+    ragged = draw(st.booleans())
     return {
         "dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
         "batch": batch,
         "kv_heads": kv_heads,
         "heads": kv_heads * draw(st.sampled_from([1, 2, 4])),
         "new_tokens": new_tokens,
+        "tokens": draw(st.lists(st.integers(0, new_tokens), min_size=batch, max_size=batch)) if ragged else None,
         "capacity": capacity,
         "page_size": page_size,
         "seqlens": seqlens,
@@ -84,9 +87,11 @@ def _pallas_module(spec):
     return harness.load_target(with_config(spec, "pallas_tpu", block_kv=128), "pallas_tpu")
 
 
-def _run(target, spec, dtype, q, k_cache, v_cache, seqlens, table, leftpad, num_splits, params):
+def _run(target, spec, dtype, q, k_cache, v_cache, seqlens, table, leftpad, num_splits, params, cu_seqlens_q=None):
     """(out, lse) as float32 numpy arrays from `target`'s attention_with_kvcache on float32 inputs
     holding `dtype` values; num_splits is Triton's (Pallas does not split)."""
+    if cu_seqlens_q is not None:
+        params = dict(params, cu_seqlens_q=cu_seqlens_q)
     if target == "triton_gpu":
         module, torch_dtype = harness.load_target(spec, "triton_gpu"), getattr(torch, dtype)
         out, lse = module.attention_with_kvcache(
@@ -134,7 +139,8 @@ def check(spec_name: str, p: dict, target: str = "triton_gpu"):
     rng = np.random.default_rng(p["seed"])
     B, H, T, cap, kv_heads = p["batch"], p["heads"], p["new_tokens"], p["capacity"], p["kv_heads"]
     draw = lambda *shape: round_to(rng.standard_normal(shape).astype(np.float32), p["dtype"])
-    q = draw(B, H, T, spec.head_dim)
+    tokens = p.get("tokens") or [T] * B  # each sequence's new tokens
+    q_new = [draw(H, t, spec.head_dim) for t in tokens]
     k_rows, v_rows = draw(B, kv_heads, cap, spec.head_dim), draw(B, kv_heads, cap, spec.value_dim)
     table, num_pages = None, 0
     if p["page_size"] is not None:
@@ -146,7 +152,15 @@ def check(spec_name: str, p: dict, target: str = "triton_gpu"):
     seqlens = np.array(p["seqlens"], np.int32)
     table = None if table is None else table.astype(np.int32)
     leftpad = None if p.get("leftpad") is None else np.array(p["leftpad"], np.int32)
-    out, lse = _run(target, spec, p["dtype"], q, k_cache, v_cache, seqlens, table, leftpad, p["num_splits"], params)
+    if p.get("tokens") is None:
+        q, cu_seqlens_q = np.stack(q_new), None
+    else:  # packed [total_q, heads, dim]
+        q, cu_seqlens_q = np.concatenate(q_new, axis=1).transpose(1, 0, 2), np.cumsum([0, *tokens], dtype=np.int32)
+    out, lse = _run(
+        target, spec, p["dtype"], q, k_cache, v_cache, seqlens, table, leftpad, p["num_splits"], params, cu_seqlens_q
+    )
+    if cu_seqlens_q is not None:  # as [1, heads, total_q, ...], the sequences end to end
+        out, lse = out.transpose(1, 0, 2)[None], lse[None]
     # The new rows of every sequence, judged at once. The same-precision baseline's error is taken
     # over every row of the sequences: a handful of new rows is too few for a steady maximum.
     refs, ref_lses, baseline_error = [], [], 0.0
@@ -156,16 +170,17 @@ def check(spec_name: str, p: dict, target: str = "triton_gpu"):
         start = 0 if leftpad is None else leftpad[b]
         length = end - start
         q_seq = draw(1, H, length, spec.head_dim)
-        q_seq[:, :, length - T :] = q[b]
+        q_seq[:, :, length - tokens[b] :] = q_new[b]
         k_seq, v_seq = k_rows[b : b + 1, :, start:end], v_rows[b : b + 1, :, start:end]
         seq_params = _sequence_params(params, spec, b, length)
         ref_out, ref_lse = attention_ref(spec, q_seq, k_seq, v_seq, **seq_params)
-        refs.append(ref_out[:, :, length - T :])
-        ref_lses.append(ref_lse[:, :, length - T :])
+        refs.append(ref_out[:, :, length - tokens[b] :])
+        ref_lses.append(ref_lse[:, :, length - tokens[b] :])
         if p["dtype"] != "float32":
             baseline = lowp_baseline(spec, q_seq, k_seq, v_seq, p["dtype"], params=seq_params)
             baseline_error = max(baseline_error, max_error(baseline, ref_out))
-    ref_out, ref_lse = np.concatenate(refs), np.concatenate(ref_lses)
+    axis = 0 if cu_seqlens_q is None else 2  # (packed: the sequences' rows end to end)
+    ref_out, ref_lse = np.concatenate(refs, axis=axis), np.concatenate(ref_lses, axis=axis)
     verdict = check_forward("float32", out, lse, ref_out, ref_lse)  # rows and LSE
     rule = judge(p["dtype"], {"out": verdict.errors["out"]}, {"out": baseline_error}, {})
     problems = [problem for problem in verdict.problems if not problem.startswith("max |out")] + list(rule.problems)
@@ -228,6 +243,123 @@ def test_a_pool_of_cache_slots_is_a_block_table_of_one_page_each(target):
     gathered = _run(target, spec, "float32", q, pool_k[index], pool_v[index], lens, None, None, None, {})
     for got, want in zip(pooled, gathered, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
+@pytest.mark.parametrize(
+    "spec_name, page_size, leftpad",
+    [("causal", None, None), ("sliding_window", 16, None), ("relative_bias", None, [0, 9, 0, 30]), ("sinks", 32, None)],
+)
+def test_ragged_new_tokens_are_packed_as_cu_seqlens_q_says(target, spec_name, page_size, leftpad):
+    """cu_seqlens_q (FlashAttention's, vLLM's mixed batches): a prefill chunk of 20 tokens (two
+    tiles of 64 rows on Triton), a sequence with none, a few speculative tokens and one decoding
+    token in one call, over splits; positions, head-dependent bounds, gathered tensors and sinks
+    all per sequence."""
+    problem = {
+        "dtype": "float32", "batch": 4, "kv_heads": 1, "heads": 4, "new_tokens": 20, "tokens": [20, 0, 3, 1],
+        "capacity": 192, "page_size": page_size, "seqlens": [60, 40, 192, 97], "leftpad": leftpad, "num_splits": 2, "seed": 9,
+    }  # fmt: skip
+    check(spec_name, problem, target)
+
+
+def test_ragged_slots_under_jit_take_max_seqlen_q_for_their_size():
+    """Under jax.jit the offsets are traced: max_seqlen_q sizes the Pallas slots (4 tokens: the
+    20-token sequence takes five of them), and the result is the eager call's."""
+    import jax
+    import jax.numpy as jnp
+
+    spec = retarget(load_spec("specs/sliding_window.toml"), 32, "float32")
+    module = _pallas_module(spec)
+    rng = np.random.default_rng(2)
+    cu = jnp.asarray([0, 20, 20, 23, 24], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((24, 4, 32)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((4, 2, 192, 32)), jnp.float32)
+    lens = jnp.asarray([60, 40, 192, 97], jnp.int32)
+
+    def call(cu, max_seqlen_q):
+        ragged = {"cu_seqlens_q": cu, "max_seqlen_q": max_seqlen_q}
+        return module.attention_with_kvcache(
+            q, cache, cache, lens, **ragged, return_lse=True, interpret=True, window=24
+        )
+
+    eager = call(cu, None)
+    traced = jax.jit(call, static_argnums=1)(cu, 4)
+    for got, want in zip(traced, eager, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+
+
+@pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
+def test_ragged_calls_append_packed_keys_to_caches_in_either_layout(target):
+    """With cu_seqlens_q, k and v are packed as q and appended at each sequence's end, and caches in
+    FlashAttention's layout are read as such: the same output and caches as a call per sequence."""
+    rng = np.random.default_rng(4)
+    tokens, lens = [2, 0, 3], np.array([30, 5, 61], np.int32)  # lengths before the append
+    cu = np.cumsum([0, *tokens], dtype=np.int32)
+    q = rng.standard_normal((5, 4, 32)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((5, 2, 32)).astype(np.float32) for _ in range(2))
+    k_cache, v_cache = (rng.standard_normal((3, 64, 2, 32)).astype(np.float32) for _ in range(2))  # bshd
+    spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
+    if target == "triton_gpu":
+        module, wrap, extra = harness.load_target(spec, "triton_gpu"), lambda x: torch.from_numpy(np.array(x)), {}
+    else:
+        import jax.numpy as jnp
+
+        module, wrap, extra = _pallas_module(spec), jnp.asarray, {"interpret": True}
+
+    def attend(q, k_cache, v_cache, lens, k, v, **ragged):
+        """(out, k_cache, v_cache) after the call, as numpy."""
+        caches = [wrap(k_cache), wrap(v_cache)]
+        args = dict(k=wrap(k), v=wrap(v), layout="bshd", **ragged, **extra)
+        result = module.attention_with_kvcache(wrap(q), *caches, wrap(lens), **args)
+        out, caches = (result, caches) if target == "triton_gpu" else (result[0], result[1:])
+        return [np.asarray(x) for x in (out, *caches)]
+
+    out, k_after, v_after = attend(q, k_cache, v_cache, lens, k_new, v_new, cu_seqlens_q=wrap(cu))
+    for b in np.flatnonzero(tokens):
+        rows = slice(cu[b], cu[b + 1])
+        one = attend(
+            q[None, rows], k_cache[b : b + 1], v_cache[b : b + 1], lens[b : b + 1], k_new[None, rows], v_new[None, rows]
+        )
+        np.testing.assert_array_equal(out[rows], one[0][0])
+        np.testing.assert_array_equal(k_after[b], one[1][0])
+        np.testing.assert_array_equal(v_after[b], one[2][0])
+    np.testing.assert_array_equal(k_after[1], k_cache[1])  # (no token: nothing appended)
+
+
+@pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
+def test_bad_cu_seqlens_q_are_refused_before_launch(target):
+    """Offsets that do not start at 0, decrease, or miss q's length; the wrong dtype; a 4-D q."""
+    rng = np.random.default_rng(0)
+    q, cache = (
+        rng.standard_normal((5, 4, 32)).astype(np.float32),
+        rng.standard_normal((2, 2, 64, 32)).astype(np.float32),
+    )
+    spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
+    if target == "triton_gpu":
+        module, wrap, extra = harness.load_target(spec, "triton_gpu"), torch.from_numpy, {}
+    else:
+        import jax.numpy as jnp
+
+        module, wrap, extra = _pallas_module(spec), jnp.asarray, {"interpret": True}
+    cases = [
+        (np.array([1, 3, 5], np.int32), ValueError, "must start at 0, never decrease and end at 5"),
+        (np.array([0, 6, 5], np.int32), ValueError, "must start at 0, never decrease and end at 5"),
+        (np.array([0, 2, 4], np.int32), ValueError, "must start at 0, never decrease and end at 5"),
+        (np.array([0, 2, 5], np.float32), TypeError, "cu_seqlens_q must be an int32"),
+        (np.array([0, 2, 5, 5], np.int32), ValueError, "one sequence per batch entry: .* 3 sequences"),
+    ]
+    lens = wrap(np.array([30, 40], np.int32))
+    for cu, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            module.attention_with_kvcache(wrap(q), wrap(cache), wrap(cache), lens, cu_seqlens_q=wrap(cu), **extra)
+    with pytest.raises(ValueError, match=r"q must be a 3-D .* \[total_q, heads, head_dim\]"):
+        module.attention_with_kvcache(
+            wrap(q[None]), wrap(cache), wrap(cache), lens, cu_seqlens_q=wrap(cases[0][0]), **extra
+        )
+    out = module.attention_with_kvcache(
+        wrap(q), wrap(cache), wrap(cache), lens, cu_seqlens_q=wrap(np.array([0, 2, 5], np.int32)), **extra
+    )
+    assert tuple(out.shape) == (5, 4, 32)  # the unchanged inputs run: the refusals came from the changes alone
 
 
 def test_a_split_of_no_keys_merges_to_nothing():
@@ -366,8 +498,8 @@ def test_one_length_for_every_sequence_may_be_an_int():
     lens = torch.tensor([50, 50], dtype=torch.int32)
     by_int = module.attention_with_kvcache(q, cache, cache, 50, window=20)
     assert torch.equal(by_int, module.attention_with_kvcache(q, cache, cache, lens, window=20))
-    assert module._cache_seqlens(50, q) is module._cache_seqlens(50, q)
-    assert torch.equal(module._cache_seqlens(-3, q), torch.zeros(2, dtype=torch.int32))  # clamped as the kernels do
+    assert module._cache_seqlens(50, q, 2) is module._cache_seqlens(50, q, 2)
+    assert torch.equal(module._cache_seqlens(-3, q, 2), torch.zeros(2, dtype=torch.int32))  # clamped as the kernels do
     k_cache, v_cache = cache.clone(), cache.clone()
     k, v = torch.randn(2, 2, 2, 32, generator=g), torch.randn(2, 2, 2, 32, generator=g)
     appended = module.attention_with_kvcache(q, k_cache, v_cache, 48, k=k, v=v, window=20)

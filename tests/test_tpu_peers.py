@@ -124,6 +124,69 @@ def test_decode_agrees_with_paged_attention():
             np.testing.assert_allclose(out[b], ref[0, :, -1], atol=step, rtol=0)
 
 
+@pytest.mark.parametrize("spec_name, window", [("causal", None), ("sliding_window", 40)])
+def test_ragged_decode_agrees_with_ragged_paged_attention(spec_name, window):
+    """attention_with_kvcache with cu_seqlens_q against jax's ragged paged attention (vLLM's mixed
+    batches on TPU) on what it covers: a 12-token chunk, one decoding token and five speculative
+    ones, causal or a sliding window, over 16-token pages in FlashAttention's layout (its pages hold
+    K and V heads interleaved), GQA 8 -> 2. Its kernel does not run in this jax's interpret modes
+    (its multi-page DMAs fail in both), so the peer is its own reference, ref_ragged_paged_attention:
+    its positions and window. bfloat16 and a power-of-two scale, as above: the two agree to one
+    bfloat16 step, and each is within one step of the float64 reference (relative past 1: a row of
+    few keys averages few values)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
+
+    from attngen.exactness import round_to
+    from attngen.reference import attention_ref
+
+    heads, kv_heads, page_size, pages_per_sequence, scale = 8, 2, 16, 16, 0.125
+    tokens, lengths = [12, 1, 5], np.array([200, 77, 130], np.int32)
+    batch, cu = len(tokens), np.cumsum([0, *tokens], dtype=np.int32)
+    rng = np.random.default_rng(2028)
+
+    def draw(*shape):
+        return round_to(rng.standard_normal(shape).astype(np.float32), "bfloat16")
+
+    num_pages = batch * pages_per_sequence + 3
+    q, k_pages, v_pages = draw(cu[-1], heads, HEAD_DIM), *(draw(num_pages, page_size, kv_heads, HEAD_DIM) for _ in "kv")
+    kv_pages = np.stack([k_pages, v_pages], axis=3).reshape(num_pages, page_size, 2 * kv_heads, HEAD_DIM)
+    table = rng.permutation(num_pages)[: batch * pages_per_sequence].reshape(batch, -1).astype(np.int32)
+    bf16 = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+    spec = with_config(harness.with_dtype(load_spec(f"specs/{spec_name}.toml"), "bfloat16"), "pallas_tpu", block_kv=128)
+    ours = harness.load_target(spec, "pallas_tpu").attention_with_kvcache(
+        bf16(q), bf16(k_pages), bf16(v_pages), jnp.asarray(lengths), block_table=jnp.asarray(table),
+        cu_seqlens_q=jnp.asarray(cu), layout="bshd", scale=scale, interpret=pltpu.InterpretParams(),
+        **({} if window is None else {"window": window}),
+    )  # fmt: skip
+    theirs = ref_ragged_paged_attention(
+        bf16(q), bf16(kv_pages), jnp.asarray(lengths), jnp.asarray(table), jnp.asarray(cu),
+        jnp.asarray([batch], jnp.int32), sm_scale=scale, sliding_window=window,
+    )  # fmt: skip
+    ours, theirs = (np.asarray(x.astype(jnp.float32)) for x in (ours, theirs))
+    # A bfloat16 step: 2^-8 in [0.5, 1), and relative past 1 (a row of few keys averages few values).
+    step, relative_step = 2.0**-8, 2.0**-7
+    np.testing.assert_allclose(ours, theirs, atol=step, rtol=relative_step)
+    params = {} if window is None else {"window": window}
+    for b, length in enumerate(lengths):
+        # The sequence's keys and values [1, kv_heads, length, D], read through its pages.
+        k_seq, v_seq = (
+            np.concatenate(list(pages[table[b]]), axis=0).transpose(1, 0, 2)[None, :, :length]
+            for pages in (k_pages, v_pages)
+        )
+        q_seq = draw(1, heads, length, HEAD_DIM)
+        q_seq[0, :, length - tokens[b] :] = q[cu[b] : cu[b + 1]].transpose(1, 0, 2)
+        ref, _ = attention_ref(spec, q_seq, k_seq, v_seq, scale=scale, **params)
+        for out in (ours, theirs):
+            np.testing.assert_allclose(
+                out[cu[b] : cu[b + 1]],
+                ref[0, :, length - tokens[b] :].transpose(1, 0, 2),
+                atol=step,
+                rtol=relative_step,
+            )
+
+
 def _flash_blocks():
     from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
 

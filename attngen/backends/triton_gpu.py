@@ -264,7 +264,9 @@ KERNELS = (
             ("CACHE_SEQLENS", I32_POINTER),
             ("CACHE_LEFTPAD", I32_POINTER),
             ("BLOCK_TABLE", I32_POINTER),
+            ("CU_SEQLENS_Q", I32_POINTER),
             ("num_heads", Arg("i32", divisible=True)),
+            ("batch", Arg("i32")),
             ("new_tokens", Arg("i32")),
             ("capacity", Arg("i32")),
             ("num_pages", Arg("i32")),
@@ -280,9 +282,17 @@ KERNELS = (
             ("q_stride_t", Arg("i32", divisible=True)),
             ("scale", Arg("fp32")),
         ),
-        # One query head per kv head, a contiguous cache (PAGE_SIZE 0), no split: each of those
-        # (and each page size) compiles a kernel of its own.
-        constexprs=(("GROUP", 1), ("PAGE_SIZE", 0), ("LEFTPAD", 0), ("SPLIT", 0), ("MERGE_M", 1), ("MERGE_SPLITS", 1)),
+        # One query head per kv head, a contiguous cache (PAGE_SIZE 0), as many new tokens in every
+        # sequence (RAGGED 0), no split: each of those (and each page size) compiles a kernel of its own.
+        constexprs=(
+            ("GROUP", 1),
+            ("PAGE_SIZE", 0),
+            ("LEFTPAD", 0),
+            ("RAGGED", 0),
+            ("SPLIT", 0),
+            ("MERGE_M", 1),
+            ("MERGE_SPLITS", 1),
+        ),
     ),
     Kernel(
         "fwd_sm90",

@@ -9,6 +9,7 @@ lowered to Mosaic (jax.export for platform "tpu"), which still catches block-sha
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import sys
@@ -119,12 +120,14 @@ def _problem(module, device):
     # A mask that reads tensors at each position comes with a table of tile classes (2 x 2 blocks).
     classes = (array((1, 1, 2, 2), jnp.int32),) if hasattr(module, "_tile_classes") else ()
     prefetch = (*scalars, *smem({"batch": 1, "heads": 1, "kv_heads": 1, "q_len": length, "kv_len": length}), *classes)
-    # Decode: q [1, heads, new_tokens, D] with heads // kv_heads * new_tokens = DECODE_ROWS.
+    # Decode: one slot of q rows [1, kv_heads, DECODE_ROWS, D], heads // kv_heads x new_tokens rows.
     kv_heads, new_tokens, capacity, page_size = 2, 4, 2 * module.BLOCK_KV, 16
     heads = kv_heads * DECODE_ROWS // new_tokens
-    decode_q = array((1, heads, new_tokens, module.HEAD_DIM), module.DTYPE)
+    decode_q = array((1, kv_heads, DECODE_ROWS, module.HEAD_DIM), module.DTYPE)
     decode_sizes = {"batch": 1, "heads": heads, "kv_heads": kv_heads, "q_len": capacity, "kv_len": capacity}
-    decode_scalars = (*scalars, *smem(decode_sizes), array((1,), jnp.int32), array((1,), jnp.int32))  # lengths, starts
+    one = array((1,), jnp.int32)
+    decode_scalars = (*scalars, *smem(decode_sizes), one, one, one, one)  # lengths, starts, slots' sequences and backs
+    decode = functools.partial(module._decode, new_tokens=new_tokens)
     decode_gathered = tuple(
         array(shape, dtype)
         for shape, dtype in (
@@ -142,8 +145,8 @@ def _problem(module, device):
     return {
         "fwd": (module._forward, (tile, tile, tile_v, prefetch, gathered)),
         "bwd": (module._backward, (tile_v, stats, tile, tile, tile_v, tile_v, stats, prefetch, gathered)),
-        "decode": (module._decode, (decode_q, *contiguous, decode_gathered)),
-        "decode_paged": (module._decode, (decode_q, *paged, decode_gathered)),
+        "decode": (decode, (decode_q, *contiguous, decode_gathered)),
+        "decode_paged": (decode, (decode_q, *paged, decode_gathered)),
     }
 
 

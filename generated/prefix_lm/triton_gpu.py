@@ -791,25 +791,70 @@ def _decode_kv_blocks(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["new_tokens", "capacity", "num_pages", "param_prefix"])
+@triton.jit
+def _sequence_of_slot(CU_SEQLENS_Q, slot, batch, total_q, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The sequence whose tiles hold ragged slot `slot`: the last b with first_slot(b) <= slot, where
+    sequence b's slots start at first_slot(b) = GROUP * cu_seqlens_q[b] // BLOCK_M + b (a binary
+    search over the batch)."""
+    lo, hi = 0, batch
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        first = GROUP * tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + mid), 0), total_q) // BLOCK_M + mid
+        if first <= slot:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _decode_rows(r, b, h_kv, q_start, tokens, num_heads, GROUP: tl.constexpr, RAGGED: tl.constexpr):
+    """The output rows (int64) of a tile's packed rows r (head-major: query head h_kv * GROUP + r //
+    tokens, new token r % tokens): of [B * H * tokens] ([batch, heads, T]), or RAGGED of [total_q * H]
+    (sequence b's tokens packed from q_start on, [total_q, heads])."""
+    if RAGGED:
+        return ((q_start + r % tokens) * num_heads + h_kv * GROUP + r // tokens).to(tl.int64)
+    else:
+        return ((b * num_heads + h_kv * GROUP) * tokens + r).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["batch", "new_tokens", "capacity", "num_pages", "param_prefix"])
 def _decode_fwd(
-    Q, K, V, O, LSE, O_PARTS, LSE_PARTS, SPLITS_DONE, CACHE_SEQLENS, CACHE_LEFTPAD, BLOCK_TABLE,
-    num_heads, new_tokens, capacity, num_pages, table_stride, k_stride_page, k_stride_head,
+    Q, K, V, O, LSE, O_PARTS, LSE_PARTS, SPLITS_DONE, CACHE_SEQLENS, CACHE_LEFTPAD, BLOCK_TABLE, CU_SEQLENS_Q,
+    num_heads, batch, new_tokens, capacity, num_pages, table_stride, k_stride_page, k_stride_head,
     k_stride_row, v_stride_page, v_stride_head, v_stride_row, q_stride_b, q_stride_h, q_stride_t, scale,
     param_prefix,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, LEFTPAD: tl.constexpr, SPLIT: tl.constexpr, MERGE_M: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, LEFTPAD: tl.constexpr, RAGGED: tl.constexpr, SPLIT: tl.constexpr,
+    MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
     """The new tokens of one sequence and every query head of one kv head (rows: head-major), against
     one split of the cached keys. SPLIT: write this split's normalised output and LSE (float32), and
-    the tile's last split merges them into the output; else the output itself."""
+    the tile's last split merges them into the output; else the output itself.
+
+    Grid: (split, sequence x kv head, row block), every sequence with new_tokens new tokens; RAGGED:
+    (split, slot, kv head), sequence b's tokens packed from cu_seqlens_q[b] to cu_seqlens_q[b + 1] and
+    its tiles in slots from GROUP * cu_seqlens_q[b] // BLOCK_M + b on (vLLM's packing: enough for its
+    rows whatever their count, so that the grid needs no host-side count); a slot past them exits."""
     split, num_splits = tl.program_id(0), tl.num_programs(0)
     kv_heads = num_heads // GROUP
-    b = tl.program_id(1) // kv_heads
-    h_kv = tl.program_id(1) % kv_heads
-    rows = GROUP * new_tokens
-    row_first = tl.program_id(2) * BLOCK_M
+    if RAGGED:
+        # (offsets clamped into q: unchecked offsets, under CUDA-graph capture, read and write inside it)
+        total_q = tl.maximum(tl.load(CU_SEQLENS_Q + batch), 0)
+        h_kv = tl.program_id(2)
+        b = _sequence_of_slot(CU_SEQLENS_Q, tl.program_id(1), batch, total_q, GROUP, BLOCK_M)
+        q_start = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b), 0), total_q)
+        tokens = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b + 1), q_start), total_q) - q_start
+        row_first = (tl.program_id(1) - GROUP * q_start // BLOCK_M - b) * BLOCK_M
+        if row_first >= GROUP * tokens:
+            return
+    else:
+        b = tl.program_id(1) // kv_heads
+        h_kv = tl.program_id(1) % kv_heads
+        q_start = 0
+        tokens = new_tokens
+        row_first = tl.program_id(2) * BLOCK_M
+    rows = GROUP * tokens
     row_last = tl.minimum(row_first + BLOCK_M, rows) - 1
     r = row_first + tl.arange(0, BLOCK_M)
     row_in = r < rows
@@ -822,11 +867,11 @@ def _decode_fwd(
     seq_len = end - start
     q_len = seq_len
     kv_len = seq_len
-    q_idx = (seq_len - new_tokens + r % new_tokens)[:, None]
+    q_idx = (seq_len - tokens + r % tokens)[:, None]
     # The positions this tile's rows hold: all the new tokens once it spans two heads.
-    one_head = row_first // new_tokens == row_last // new_tokens
-    q_first = seq_len - new_tokens + tl.where(one_head, row_first % new_tokens, 0)
-    q_last = seq_len - new_tokens + tl.where(one_head, row_last % new_tokens, new_tokens - 1)
+    one_head = row_first // tokens == row_last // tokens
+    q_first = seq_len - tokens + tl.where(one_head, row_first % tokens, 0)
+    q_last = seq_len - tokens + tl.where(one_head, row_last % tokens, tokens - 1)
 
     # Tile analysis: kv blocks outside [kv_lo, kv_hi) are EMPTY and never read; [full_lo, full_hi)
     # are FULL and run without mask code.
@@ -844,12 +889,11 @@ def _decode_fwd(
     run_lo = tl.minimum(tl.maximum(full_lo, split_lo), split_hi)
     run_hi = tl.minimum(tl.maximum(full_hi, run_lo), split_hi)
 
-    h = (h_kv * GROUP + r // new_tokens)[:, None]
+    h = (h_kv * GROUP + r // tokens)[:, None]
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    out_rows = ((b * num_heads + h_kv * GROUP) * new_tokens + r).to(tl.int64)  # rows of [B * H * new_tokens]
     # q read in place through its strides (a view of a fused projection, FlashAttention's layout)
-    q_rows = b.to(tl.int64) * q_stride_b + h * q_stride_h + (q_idx - (seq_len - new_tokens)) * q_stride_t
+    q_rows = b.to(tl.int64) * q_stride_b + h * q_stride_h + (q_start + r % tokens)[:, None] * q_stride_t
     q = tl.load(Q + q_rows + offs_d[None, :], mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -879,9 +923,10 @@ def _decode_fwd(
     # A row with no visible key (in this split) has l = 0 and acc = 0: output 0, LSE -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = _lse(m_i, l_i)
+    out_rows = _decode_rows(r, b, h_kv, q_start, tokens, num_heads, GROUP, RAGGED)
     store = row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     if SPLIT:
-        rows_per_split = tl.num_programs(1) * GROUP * new_tokens  # partials: [splits, B * H * new_tokens]
+        rows_per_split = total_q * num_heads if RAGGED else tl.num_programs(1) * GROUP * new_tokens  # the output's rows
         parts = split * rows_per_split + out_rows
         tl.store(O_PARTS + parts[:, None] * HEAD_DIM_V + offs_dv[None, :], out, mask=store)
         tl.store(LSE_PARTS + parts, lse, mask=row_in)
@@ -892,11 +937,11 @@ def _decode_fwd(
         tile = tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
         if tl.atomic_add(SPLITS_DONE + tile, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(SPLITS_DONE + tile, 0)  # zero again for the next launch (a reused workspace)
-            first_row = (b * num_heads + h_kv * GROUP) * new_tokens + row_first
             _merge_splits(
-                O, LSE, O_PARTS, LSE_PARTS, first_row.to(tl.int64), tl.minimum(BLOCK_M, rows - row_first),
-                rows_per_split, num_splits,
-                MERGE_M=MERGE_M, MERGE_SPLITS=MERGE_SPLITS, BLOCK_DV=BLOCK_DV, HEAD_DIM_V=HEAD_DIM_V,
+                O, LSE, O_PARTS, LSE_PARTS, b, h_kv, q_start, tokens, num_heads, row_first,
+                tl.minimum(BLOCK_M, rows - row_first), rows_per_split, num_splits,
+                GROUP=GROUP, RAGGED=RAGGED, MERGE_M=MERGE_M, MERGE_SPLITS=MERGE_SPLITS, BLOCK_DV=BLOCK_DV,
+                HEAD_DIM_V=HEAD_DIM_V,
             )
     else:
         tl.store(O + out_rows[:, None] * HEAD_DIM_V + offs_dv[None, :], out.to(O.dtype.element_ty), mask=store)
@@ -905,20 +950,24 @@ def _decode_fwd(
 
 @triton.jit
 def _merge_splits(
-    O, LSE, O_PARTS, LSE_PARTS, first_row, tile_rows, rows_per_split, num_splits,
-    MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    O, LSE, O_PARTS, LSE_PARTS, b, h_kv, q_start, tokens, num_heads, row_first, tile_rows, rows_per_split,
+    num_splits, GROUP: tl.constexpr, RAGGED: tl.constexpr, MERGE_M: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
-    """Store the output and LSE of a tile's rows over all the keys, from each split's (as
-    merge_partials): the splits' outputs weighted by exp(lse_split - lse); a row no split saw gives 0
-    with LSE -inf. MERGE_M rows at a time: their largest LSE over the splits first (16 splits a
-    load), then the weighted sum, MERGE_SPLITS splits unrolled so that their loads are in flight
-    together (a 4-row tile merged one split at a time waited for L2 once a split). Loads bypass L1
-    (.cg): other SMs wrote the partials."""
+    """Store the output and LSE of a tile's rows row_first .. row_first + tile_rows - 1 (_decode_rows)
+    over all the keys, from each split's (as merge_partials): the splits' outputs weighted by
+    exp(lse_split - lse); a row no split saw gives 0 with LSE -inf. MERGE_M rows at a time: their
+    largest LSE over the splits first (16 splits a load), then the weighted sum, MERGE_SPLITS splits
+    unrolled so that their loads are in flight together (a 4-row tile merged one split at a time
+    waited for L2 once a split). Loads bypass L1 (.cg): other SMs wrote the partials."""
     offs_m = tl.arange(0, MERGE_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     for m in tl.range(0, tile_rows, MERGE_M, num_stages=1):
         row_in = m + offs_m < tile_rows
-        rows = first_row + m + offs_m  # rows of [B * H * new_tokens]
+        if RAGGED:
+            rows = _decode_rows(row_first + m + offs_m, b, h_kv, q_start, tokens, num_heads, GROUP, RAGGED)
+        else:  # consecutive rows: the first, then offsets (as _decode_rows, ptxas gave the paged kernel 40 more registers)
+            rows = ((b * num_heads + h_kv * GROUP) * tokens + row_first).to(tl.int64) + m + offs_m
         top = tl.full([MERGE_M], float("-inf"), dtype=tl.float32)
         for first_split in tl.range(0, num_splits, 16, num_stages=1):
             for j in tl.static_range(16):
@@ -978,24 +1027,38 @@ DECODE_LONG_SPLIT_KEYS = 8192
 class _DecodeLaunch(NamedTuple):
     """How attention_with_kvcache launches the decode kernel for inputs of some shapes (_decode_launch)."""
 
-    grid: tuple  # (splits, batch x kv_heads, row blocks): a program per split of a tile
+    grid: tuple  # (splits, batch x kv_heads, row blocks), or ragged (splits, slots, kv_heads): a program per split of a tile
     capacity: int  # the positions a sequence's cache holds
     constants: dict  # the kernel's constexprs, num_warps and num_stages
 
 
-def _decode_launch(q, k_cache, block_table, leftpad, num_splits):
+def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None, max_tokens=None):
     """The decode kernel's grid and constants for new tokens q [B, H, T, D] against k_cache: each kv
     head's query rows packed into tiles (_packed_rows), the keys of a tile walked in num_splits
     splits (default: _decode_splits' rule), DECODE_LONG_BLOCK_N keys a step where _long_splits says;
-    leftpad: whether cache_leftpad is given. Shapes and the device settle them, so a call has them
-    before anything runs."""
-    batch, heads, new_tokens, _ = q.shape
+    leftpad: whether cache_leftpad is given. Ragged (q packed [total_q, H, D] by the cu_seqlens_q of
+    `sequences` sequences): tiles sized for max_tokens new tokens a sequence (default: total_q), in
+    the slots _decode_fwd lays out. Shapes and the device settle them, so a call has them before
+    anything runs."""
+    heads = q.shape[1]
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     group, paged = heads // kv_heads, block_table is not None
     capacity = block_table.shape[1] * page_size if paged else page_size
     max_block_m, block_n, warps, stages = _tiles("DECODE_", q.device)
-    block_m, row_blocks = _packed_rows(group * new_tokens, max_block_m)
-    tiles = batch * kv_heads * row_blocks
+    if sequences is None:
+        batch, _, new_tokens, _ = q.shape
+        block_m, row_blocks = _packed_rows(group * new_tokens, max_block_m)
+        tile_grid = (batch * kv_heads, row_blocks)
+    else:
+        new_tokens = max(1, q.shape[0] if max_tokens is None else min(max_tokens, q.shape[0]))
+        block_m, _ = _packed_rows(group * new_tokens, max_block_m)
+        tile_grid = (group * q.shape[0] // block_m + sequences, kv_heads)
+        if tile_grid[0] > 65535:  # (a launch's second grid axis)
+            raise ValueError(
+                f"{q.shape[0]} packed tokens take {tile_grid[0]} slots of {block_m} rows; a launch holds 65535"
+                " (pass max_seqlen_q, or fewer tokens a call)"
+            )
+    tiles = tile_grid[0] * tile_grid[1]
     if num_splits is None:
         num_splits = _decode_splits(tiles, capacity, q.device) if tiles else 1
     if _long_splits(capacity, num_splits, tiles * num_splits, block_m, q.device):
@@ -1006,42 +1069,48 @@ def _decode_launch(q, k_cache, block_table, leftpad, num_splits):
     elif paged:
         stages = DECODE_NUM_STAGES_PAGED
     constants = dict(
-        GROUP=group, PAGE_SIZE=page_size if paged else 0, LEFTPAD=leftpad, SPLIT=num_splits > 1,
-        MERGE_M=merge_m, MERGE_SPLITS=merge_splits, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, PAGE_SIZE=page_size if paged else 0, LEFTPAD=leftpad, RAGGED=sequences is not None,
+        SPLIT=num_splits > 1, MERGE_M=merge_m, MERGE_SPLITS=merge_splits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
         num_warps=warps, num_stages=stages,
     )
-    return _DecodeLaunch((num_splits, batch * kv_heads, row_blocks), capacity, constants)
+    return _DecodeLaunch((num_splits, *tile_grid), capacity, constants)
 
 
 @_on_their_device
-def _decode(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, scale, params, launch, workspace, return_lse):
-    """(out, lse) of the new tokens q [B, H, T, D] against a KV cache (see attention_with_kvcache),
-    launched as `launch` (_decode_launch) says. The splits' partial outputs, and the LSE where the
-    caller does not take it, go to scratch kept per stream (_stream_buffer)."""
-    batch, heads, new_tokens, _ = q.shape
-    rows = batch * heads * new_tokens
-    out = q.new_empty((batch, heads, new_tokens, HEAD_DIM_V))
+def _decode(
+    q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, cu_seqlens_q, scale, params, launch, workspace, return_lse
+):
+    """(out, lse) of the new tokens q [B, H, T, D] (or packed [total_q, H, D] by cu_seqlens_q)
+    against a KV cache (see attention_with_kvcache), launched as `launch` (_decode_launch) says; out
+    and lse are shaped as q's rows. The splits' partial outputs, and the LSE where the caller does not
+    take it, go to scratch kept per stream (_stream_buffer)."""
+    out = q.new_empty((*q.shape[:-1], HEAD_DIM_V))
+    rows = out.numel() // HEAD_DIM_V
     if return_lse:
-        lse = torch.empty((batch, heads, new_tokens), device=q.device, dtype=torch.float32)
+        lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     else:
         lse = _stream_buffer(q.device, "lse", rows)
     if out.numel() == 0:
         return out, lse
-    num_splits, kv_tiles, row_blocks = launch.grid
+    num_splits, *tile_grid = launch.grid
     parts = lse_parts = splits_done = lse  # (unread without splits)
     if num_splits > 1:
         parts = _stream_buffer(q.device, "parts", num_splits * rows * HEAD_DIM_V)
         lse_parts = _stream_buffer(q.device, "lse_parts", num_splits * rows)
-        splits_done = _stream_counters(q.device, kv_tiles * row_blocks) if workspace is None else workspace
+        splits_done = _stream_counters(q.device, tile_grid[0] * tile_grid[1]) if workspace is None else workspace
     table = cache_seqlens if block_table is None else block_table  # (unread without pages)
     leftpad = cache_seqlens if cache_leftpad is None else cache_leftpad  # (unread without)
     q = q if q.stride(-1) == 1 else q.contiguous()
+    if cu_seqlens_q is None:
+        batch, new_tokens, q_strides = q.shape[0], q.shape[2], q.stride()[:3]
+    else:  # (a packed q's token axis is read as its sequences' T axis; new_tokens is unread)
+        batch, new_tokens, q_strides = cu_seqlens_q.shape[0] - 1, 0, (0, q.stride(1), q.stride(0))
     _launch(
         _decode_fwd, launch.grid,
-        q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done,
-        cache_seqlens, leftpad, table, heads, new_tokens, launch.capacity, k_cache.shape[0],
-        table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3], scale, *params,
+        q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done, cache_seqlens, leftpad, table,
+        cache_seqlens if cu_seqlens_q is None else cu_seqlens_q, q.shape[1], batch, new_tokens, launch.capacity,
+        k_cache.shape[0], table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *q_strides, scale, *params,
         **launch.constants,
     )
     return out, lse
@@ -1049,10 +1118,10 @@ def _decode(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, scal
 
 def kvcache_workspace(device, tiles=2**16):
     """A workspace for attention_with_kvcache(..., workspace=): the split counters of up to `tiles`
-    tiles (batch x kv_heads x row blocks of up to DECODE_BLOCK_M packed query rows), zero. Each
-    launch's last splits zero theirs again, so a call that is given one launches no memset (1-3 us of
-    a CUDA graph's replay on the H200). One workspace per stream: calls that may run at the same time
-    need their own (FlashInfer's workspace rule)."""
+    tiles (batch x kv_heads x row blocks of up to DECODE_BLOCK_M packed query rows; ragged, slots x
+    kv_heads), zero. Each launch's last splits zero theirs again, so a call that is given one launches
+    no memset (1-3 us of a CUDA graph's replay on the H200). One workspace per stream: calls that may
+    run at the same time need their own (FlashInfer's workspace rule)."""
     return torch.zeros(tiles, device=device, dtype=torch.int32)
 
 
@@ -1073,32 +1142,40 @@ def _check_workspace(workspace, device, tiles):
         raise ValueError(f"this call has {tiles} tiles; the workspace counts {workspace.numel()} (kvcache_workspace(device, tiles={tiles}))")
 
 
-def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
-    """Write k and v, [batch, kv_heads, T_new, d], at positions cache_seqlens[b] + t of each sequence's
-    cache; returns the lengths with them. Checked first (one host sync): nothing is written past a
-    sequence's pages, or into a page the block table does not have."""
-    _check_append(k, v, k_cache, v_cache, cache_seqlens)
-    batch, tokens = k.shape[0], k.shape[2]
+def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q):
+    """Write k and v, [batch, kv_heads, T_new, d] (or packed as q by cu_seqlens_q: [total_q, kv_heads,
+    d]), at positions cache_seqlens[b] + t of each sequence's cache; returns the lengths with them.
+    Checked first (one host sync): nothing is written past a sequence's pages, or into a page the
+    block table does not have."""
+    batch = cache_seqlens.shape[0]
     page_size = k_cache.shape[2]
     capacity = block_table.shape[1] * page_size if block_table is not None else page_size
-    position = cache_seqlens[:, None].long() + torch.arange(tokens, device=k.device)  # [batch, T_new]
+    if cu_seqlens_q is None:  # the tokens sequence-major, as packed ones
+        tokens = k.shape[2]
+        k, v = (new.transpose(1, 2).reshape(batch * tokens, new.shape[1], new.shape[3]) for new in (k, v))
+        added = torch.full_like(cache_seqlens, tokens, dtype=torch.int64)
+    else:
+        added = cu_seqlens_q.diff().long()
+    sequence = torch.repeat_interleave(torch.arange(batch, device=k.device), added, output_size=k.shape[0])
+    first_token = cu_seqlens_q[:-1] if cu_seqlens_q is not None else torch.arange(batch, device=k.device) * added
+    position = cache_seqlens[sequence].long() + torch.arange(k.shape[0], device=k.device) - first_token[sequence]
     if block_table is None:
-        rows = (torch.arange(batch, device=k.device)[:, None].expand_as(position), position)
+        rows = (sequence, position)
         extremes = [position.min(), position.max()] if position.numel() else []
     else:  # (the table is read at clamped indices: a bad position must not index past it before the check)
-        pages = block_table.gather(1, (position // page_size).clamp(0, block_table.shape[1] - 1)).long()
+        pages = block_table[sequence, (position // page_size).clamp(0, block_table.shape[1] - 1)].long()
         rows = (pages, position % page_size)
         extremes = [position.min(), position.max(), pages.min(), pages.max()] if position.numel() else []
     if extremes:  # one host synchronisation for every check
         first, last, *page_range = torch.stack(extremes).tolist()
         if first < 0 or last >= capacity:
-            raise ValueError(f"appending {tokens} tokens writes positions {first}..{last}; the cache holds 0..{capacity - 1}")
+            raise ValueError(f"appending writes positions {first}..{last}; the cache holds 0..{capacity - 1}")
         if page_range and not 0 <= page_range[0] <= page_range[1] < k_cache.shape[0]:
             raise ValueError(f"block_table names pages outside 0..{k_cache.shape[0] - 1} for the appended tokens")
     with torch.no_grad():
         for cache, new in ((k_cache, k), (v_cache, v)):
-            cache[rows[0], :, rows[1]] = new.transpose(1, 2)  # [batch, T_new, kv_heads, d] at (page, row)
-    return (cache_seqlens + tokens).int()
+            cache[rows[0], :, rows[1]] = new  # [tokens, kv_heads, d] at (page, row)
+    return (cache_seqlens + added).int()
 
 
 def _decode_splits(tiles, capacity, device):
@@ -1141,8 +1218,8 @@ def _merge_chunk(tile_rows, num_splits):
 
 
 def attention_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, scale=None,
-    return_lse=False, num_splits=None, workspace=None, layout="bhsd", **params
+    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, cu_seqlens_q=None,
+    max_seqlen_q=None, scale=None, return_lse=False, num_splits=None, workspace=None, layout="bhsd", **params
 ):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `prefix_lm`; inference only (no autograd).
@@ -1169,6 +1246,14 @@ def attention_with_kvcache(
         cache_leftpad: int32 [batch] (FlashAttention's), left padding: sequence b is the cache's
             rows cache_leftpad[b] .. cache_seqlens[b] - 1 (clamped into 0 .. cache_seqlens[b]), and
             the spec sees its positions counted from there (its length cache_seqlens[b] - cache_leftpad[b]).
+        cu_seqlens_q: int32 [batch + 1] (FlashAttention's, vLLM's mixed batches): a different number
+            of new tokens each sequence, packed end to end: q [total_q, heads, d], sequence b's tokens
+            cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 (0 first, total_q last; checked, one host
+            synchronisation, except under CUDA-graph capture, where the kernel clamps them into q). k
+            and v are packed alike, [total_q, kv_heads, d]; the output is [total_q, heads, d] and the
+            LSE [heads, total_q], whatever the layout.
+        max_seqlen_q: the most new tokens of a sequence (with cu_seqlens_q): sizes the tiles, not what
+            is computed. Default: read from cu_seqlens_q where they are checked, else total_q.
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
         layout: "bhsd" (the shapes above) or "bshd", FlashAttention's: q [batch, T, heads, d], caches
@@ -1183,25 +1268,50 @@ def attention_with_kvcache(
     Returns:
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
     """
-    q, k_cache, v_cache, k, v = _as_bhsd(layout, q, k_cache, v_cache, k, v)
-    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad)
+    q, k_cache, v_cache, k, v = _as_bhsd(layout, q, k_cache, v_cache, k, v)  # (packed q, k and v stay)
+    batch = _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q)
+    appended = k is not None or v is not None
+    if appended:
+        _check_append(k, v, k_cache, v_cache, batch, None if cu_seqlens_q is None else q.shape[0])
     scalars, tensors = _check_params(params)
-    if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
-        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    launch = _decode_launch(q, k_cache, block_table, cache_leftpad is not None, num_splits)
+    for name, count in (("num_splits", num_splits), ("max_seqlen_q", max_seqlen_q)):
+        if count is not None and not (isinstance(count, int) and count >= 1):
+            raise ValueError(f"{name} must be a positive int or None, got {count!r}")
+    if cu_seqlens_q is not None:
+        cu_seqlens_q = cu_seqlens_q.contiguous()
+        max_seqlen_q = _ragged_tokens(cu_seqlens_q, q.shape[0]) or max_seqlen_q
+    sequences = None if cu_seqlens_q is None else batch
+    launch = _decode_launch(q, k_cache, block_table, cache_leftpad is not None, num_splits, sequences, max_seqlen_q)
     if workspace is not None:
         _check_workspace(workspace, q.device, launch.grid[1] * launch.grid[2])
-    cache_seqlens = _cache_seqlens(cache_seqlens, q)
-    if k is not None or v is not None:  # (after every check: a refused call writes nothing)
-        cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v)
+    cache_seqlens = _cache_seqlens(cache_seqlens, q, batch)
+    if appended:  # (after every check: a refused call writes nothing)
+        cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     out, lse = _decode(
         q, k_cache, v_cache, cache_seqlens, None if cache_leftpad is None else cache_leftpad.contiguous(), block_table,
-        float(scale), [*scalars.values(), *tensors.values()], launch, workspace, return_lse,
+        cu_seqlens_q, float(scale), [*scalars.values(), *tensors.values()], launch, workspace, return_lse,
     )
-    (out,) = _as_bhsd(layout, out)
+    if cu_seqlens_q is not None:  # rows [total_q, heads]; the LSE as FlashAttention's varlen kernels give it
+        lse = lse.t().contiguous() if return_lse else lse
+    else:
+        (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
+
+
+def _ragged_tokens(cu_seqlens_q, total_q):
+    """The most new tokens of a sequence, from cu_seqlens_q, whose offsets are checked on the way
+    (one host synchronisation): 0 first, never decreasing, total_q last. None under CUDA-graph
+    capture, which cannot read them: the kernel then clamps them into q (it reads and writes nothing
+    outside it; rows it cannot place are left unwritten)."""
+    if cu_seqlens_q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    lengths = torch.nn.functional.pad(cu_seqlens_q.diff(), (0, 1))  # (a 0 more: no sequence has extremes too)
+    first, last, shortest, longest = torch.stack([cu_seqlens_q[0], cu_seqlens_q[-1], lengths.min(), lengths.max()]).tolist()
+    if first != 0 or last != total_q or shortest < 0:
+        raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at {total_q}, the packed length of q")
+    return longest
 
 
 # ---------------------------------------------------------------------------- Hopper (sm90) forward
@@ -2947,7 +3057,7 @@ _SEQLENS = {}  # (_stream_key, batch, length) -> int32 lengths: cache_seqlens gi
 _SEQLENS_KEPT = 8
 
 
-def _cache_seqlens(cache_seqlens, q):
+def _cache_seqlens(cache_seqlens, q, batch):
     """cache_seqlens as the kernels take it: an int (not a bool) is every sequence's length, as
     FlashAttention's flash_attn_with_kvcache spells it (clamped into int32; the kernels clamp lengths
     into the cache); anything else is as _check_kvcache found it, made contiguous (the kernels
@@ -2962,21 +3072,23 @@ def _cache_seqlens(cache_seqlens, q):
     length = min(max(cache_seqlens, 0), 2**31 - 1)
     stream = _stream_key(q.device)
     if stream is None:
-        return torch.full((q.shape[0],), length, device=q.device, dtype=torch.int32)
-    key = (stream, q.shape[0], length)
+        return torch.full((batch,), length, device=q.device, dtype=torch.int32)
+    key = (stream, batch, length)
     lengths = _SEQLENS.get(key)
     if lengths is None:
         if len(_SEQLENS) >= _SEQLENS_KEPT:
             del _SEQLENS[next(iter(_SEQLENS))]  # the oldest
-        lengths = _SEQLENS[key] = torch.full((q.shape[0],), length, device=q.device, dtype=torch.int32)
+        lengths = _SEQLENS[key] = torch.full((batch,), length, device=q.device, dtype=torch.int32)
     return lengths
 
 
-def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad):
-    """The inputs of attention_with_kvcache: shapes, dtypes, devices and layouts, before any launch."""
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q):
+    """The inputs of attention_with_kvcache: shapes, dtypes, devices and layouts, before any launch;
+    returns the number of sequences."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D torch tensor")
+        dims = 3 if name == "q" and cu_seqlens_q is not None else 4
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            raise ValueError(f"{name} must be a {dims}-D torch tensor" + (" [total_q, heads, head_dim] (with cu_seqlens_q)" if dims == 3 else ""))
         if t.dtype != DTYPE:
             raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
         if t.device != q.device:
@@ -2991,33 +3103,49 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpa
             f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
             " (caches alike; kv heads dividing q heads)"
         )
-    tables = [] if _one_length(cache_seqlens) else [("cache_seqlens", cache_seqlens, (q.shape[0],))]
+    if cu_seqlens_q is not None:
+        _check_index_table("cu_seqlens_q", cu_seqlens_q, (None,), q)
+        if cu_seqlens_q.shape[0] == 0:
+            raise ValueError("cu_seqlens_q must hold [sequences + 1] offsets, 0 first; it is empty")
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    tables = [] if _one_length(cache_seqlens) else [("cache_seqlens", cache_seqlens, (batch,))]
     if cache_leftpad is not None:
-        tables.append(("cache_leftpad", cache_leftpad, (q.shape[0],)))
+        tables.append(("cache_leftpad", cache_leftpad, (batch,)))
     if block_table is not None:
-        tables.append(("block_table", block_table, (q.shape[0], None)))
-    elif k_cache.shape[0] != q.shape[0]:
-        raise ValueError(f"a contiguous cache holds one sequence per batch entry: k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}")
+        tables.append(("block_table", block_table, (batch, None)))
+    elif k_cache.shape[0] != batch:
+        raise ValueError(f"a contiguous cache holds one sequence per batch entry: k_cache {tuple(k_cache.shape)}, {batch} sequences")
     for name, t, shape in tables:
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
-            kind = "an int or an int32 torch tensor" if name == "cache_seqlens" else "an int32 torch tensor"
-            raise TypeError(f"{name} must be {kind}, got {getattr(t, 'dtype', type(t).__name__)}")
-        if t.dim() != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        _check_index_table(name, t, shape, q)
     if block_table is not None and block_table.stride(-1) != 1 and block_table.shape[-1] > 1:
         raise ValueError("block_table must have a contiguous last dim")
+    return batch
 
 
-def _check_append(k, v, k_cache, v_cache, cache_seqlens):
+def _check_index_table(name, t, shape, q):
+    """An int32 torch tensor of attention_with_kvcache (lengths, offsets, a block table) of `shape` (None: any size) on q's device."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        kind = "an int or an int32 torch tensor" if name == "cache_seqlens" else "an int32 torch tensor"
+        raise TypeError(f"{name} must be {kind}, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def _check_append(k, v, k_cache, v_cache, batch, total_q=None):
     """The new keys and values of attention_with_kvcache's append: both given, [batch, kv_heads,
-    T_new, head_dim] of the caches' dtype and device."""
+    T_new, head_dim], or packed as the queries ([total_q, kv_heads, head_dim], cu_seqlens_q's), of the
+    caches' dtype and device."""
     if k is None or v is None:
         raise ValueError("pass the new keys and values together: k and v")
+    dims = 4 if total_q is None else 3
     for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if not isinstance(new, torch.Tensor) or new.dim() != 4 or new.dtype != cache.dtype or new.device != cache.device:
-            raise ValueError(f"{name} must be a 4-D tensor of the caches' dtype and device ({cache.dtype}, {cache.device})")
-        if tuple(new.shape) != (cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]):
-            raise ValueError(f"{name} has shape {tuple(new.shape)}; expected [batch, kv_heads, T_new, head_dim] = "
-                             f"{[cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]]}")
+        if not isinstance(new, torch.Tensor) or new.dim() != dims or new.dtype != cache.dtype or new.device != cache.device:
+            raise ValueError(f"{name} must be a {dims}-D tensor of the caches' dtype and device ({cache.dtype}, {cache.device})")
+        if total_q is None:
+            shape, named = (batch, cache.shape[1], k.shape[2], cache.shape[3]), "[batch, kv_heads, T_new, head_dim]"
+        else:
+            shape, named = (total_q, cache.shape[1], cache.shape[3]), "[total_q, kv_heads, head_dim] (packed as q)"
+        if tuple(new.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(new.shape)}; expected {named} = {list(shape)}")

@@ -34,7 +34,7 @@ BLOCK_Q = 512
 BLOCK_KV = 512
 VMEM_LIMIT_BYTES = None  # None: Mosaic's default
 NUM_SCALAR_PREFETCH = 3  # int params, float params, tensors in SMEM
-DECODE_SCALAR_PREFETCH = 6  # int params, float params, tensors in SMEM, cache lengths, starts, block table
+DECODE_SCALAR_PREFETCH = 8  # int params, float params, tensors in SMEM, cache lengths, starts, slots' sequences and backs, block table
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # dot_general dims for a.T @ b
 
@@ -229,13 +229,13 @@ def _dkdv_kernel(
         dv_ref[...] = dv_scratch[...].astype(dv_ref.dtype)
 
 
-def _decode_tile_bounds(b, h_kv, seq_len, group, new_tokens, param_prefix):
-    """kv blocks [kv_lo, kv_hi) may hold keys visible to the decode tile of kv head h_kv: the new
-    tokens (positions seq_len - new_tokens .. seq_len - 1) of each of its query heads; [full_lo,
+def _decode_tile_bounds(b, h_kv, seq_len, back, group, new_tokens, param_prefix):
+    """kv blocks [kv_lo, kv_hi) may hold keys visible to the decode tile of kv head h_kv: up to
+    new_tokens new tokens from position seq_len - back on, of each of its query heads; [full_lo,
     full_hi) are FULL for every row. The spec sees the sequence's length as q_len and kv_len."""
     kv_len = seq_len
-    q_first = seq_len - new_tokens
-    q_last = seq_len - 1
+    q_first = seq_len - back
+    q_last = seq_len - back + jnp.minimum(new_tokens, back) - 1
     kv_lo = 0
     kv_hi = jnp.minimum(kv_len + 511, jnp.maximum(q_last + 512, param_prefix[b] + 511)) // 512
     full_lo = jnp.minimum(kv_hi, kv_lo)
@@ -243,35 +243,45 @@ def _decode_tile_bounds(b, h_kv, seq_len, group, new_tokens, param_prefix):
     return kv_lo, kv_hi, full_lo, full_hi
 
 
-def _decode_cache_bounds(b, h_kv, lens_ref, starts_ref, capacity, group, new_tokens, param_prefix):
-    """(start, end, kv_lo, kv_hi, full_lo, full_hi): sequence b is the cache's rows start .. end - 1,
-    its positions counted from start (cache_leftpad), and _decode_tile_bounds' blocks of its
-    positions become blocks of those rows (a block of positions straddles two of them)."""
+def _decode_cache_bounds(slot, h_kv, refs, capacity, group, new_tokens, param_prefix):
+    """(b, back, start, end, kv_lo, kv_hi, full_lo, full_hi) of a slot (_slots): its sequence b and the
+    distance `back` of its first token from the sequence's end (0: no token, no key visited).
+    Sequence b is the cache's rows start .. end - 1, its positions counted from start
+    (cache_leftpad), and _decode_tile_bounds' blocks of its positions become blocks of those rows (a
+    block of positions straddles two of them). refs: the scalar-prefetched lengths, starts, slots'
+    sequences and backs."""
+    lens_ref, starts_ref, sequence_ref, back_ref = refs
+    b, back = sequence_ref[slot], back_ref[slot]
     end = jnp.clip(lens_ref[b], 0, capacity)  # lengths past the cache are clamped to it
     start = jnp.clip(starts_ref[b], 0, end)
-    kv_lo, kv_hi, full_lo, full_hi = _decode_tile_bounds(b, h_kv, end - start, group, new_tokens, param_prefix)
+    kv_lo, kv_hi, full_lo, full_hi = _decode_tile_bounds(b, h_kv, end - start, back, group, new_tokens, param_prefix)
+    kv_lo = (start + kv_lo * BLOCK_KV) // BLOCK_KV
+    kv_hi = (start + jnp.minimum(kv_hi * BLOCK_KV, end - start) + BLOCK_KV - 1) // BLOCK_KV
     return (
+        b,
+        back,
         start,
         end,
-        (start + kv_lo * BLOCK_KV) // BLOCK_KV,
-        (start + jnp.minimum(kv_hi * BLOCK_KV, end - start) + BLOCK_KV - 1) // BLOCK_KV,
+        kv_lo,
+        jnp.where(back > 0, kv_hi, kv_lo),
         (start + full_lo * BLOCK_KV + BLOCK_KV - 1) // BLOCK_KV,
         (start + full_hi * BLOCK_KV) // BLOCK_KV,
     )
 
 
 def _decode_kernel(*refs, group, new_tokens, capacity, pieces):
-    """The new tokens of one sequence and every query head of one kv head (rows: head-major, so
-    row r is head h_kv * group + r // new_tokens, token r % new_tokens) against one kv block of its
-    cache per step, made of `pieces` blocks of the cache (pages) in order."""
+    """The new tokens of one slot (_slots: up to new_tokens tokens of a sequence) and every query
+    head of one kv head (rows: head-major, so row r is head h_kv * group + r // new_tokens, token r %
+    new_tokens) against one kv block of the sequence's cache per step, made of `pieces` blocks of the
+    cache (pages) in order."""
     prefetch, (q_ref, *refs) = refs[:DECODE_SCALAR_PREFETCH], refs[DECODE_SCALAR_PREFETCH:]
     k_refs, v_refs, refs = refs[:pieces], refs[pieces : 2 * pieces], refs[2 * pieces :]
     o_ref, lse_ref, m_scratch, l_scratch, acc_scratch = refs
-    int_ref, float_ref, *tensor_refs, lens_ref, starts_ref, _ = prefetch
-    b, h_kv, kv_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    int_ref, float_ref, *tensor_refs = prefetch[:-5]
+    slot, h_kv, kv_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     scale, params = _read_params(int_ref, float_ref, *tensor_refs)
-    start, end, kv_lo, kv_hi, full_lo, full_hi = _decode_cache_bounds(
-        b, h_kv, lens_ref, starts_ref, capacity, group, new_tokens, *params
+    b, back, start, end, kv_lo, kv_hi, full_lo, full_hi = _decode_cache_bounds(
+        slot, h_kv, prefetch[-5:-1], capacity, group, new_tokens, *params
     )
     seq_len = end - start
 
@@ -285,7 +295,7 @@ def _decode_kernel(*refs, group, new_tokens, capacity, pieces):
         v = jnp.concatenate([r[...] for r in v_refs]) if pieces > 1 else v_refs[0][...]
         shape = (group * new_tokens, BLOCK_KV)
         row = lax.broadcasted_iota(jnp.int32, shape, 0)
-        q_idx = seq_len - new_tokens + row % new_tokens
+        q_idx = seq_len - back + jnp.minimum(row % new_tokens, back - 1)  # (rows past the slot's tokens: its last)
         kv_idx = kv_block * BLOCK_KV + lax.broadcasted_iota(jnp.int32, shape, 1) - start
         qk = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
 
@@ -309,8 +319,8 @@ def _decode_kernel(*refs, group, new_tokens, capacity, pieces):
 
 
 def _decode_specs(group, new_tokens, capacity, page_size, num_pages):
-    """BlockSpecs of a decode program (b, kv head h_kv, kv block): q and out as [group *
-    new_tokens] rows of h_kv, and the cache's kv block in `pieces` blocks of `chunk` rows each.
+    """BlockSpecs of a decode program (slot, kv head h_kv, kv block): q and out as the slot's [group *
+    new_tokens] rows of h_kv, and its sequence's kv block in `pieces` blocks of `chunk` rows each.
 
     A contiguous cache (num_pages None) is one block per kv block. A paged cache's kv block spans
     pages (page_size < BLOCK_KV) or part of one page: each piece's index map reads its page from
@@ -321,16 +331,15 @@ def _decode_specs(group, new_tokens, capacity, page_size, num_pages):
     chunk = BLOCK_KV if num_pages is None else math.gcd(page_size, BLOCK_KV)
     pieces = BLOCK_KV // chunk
 
-    def visited(b, h_kv, kv_block, refs):
-        """The kv block step kv_block fetches (see _clamp_block)."""
-        int_ref, float_ref, *tensor_refs, lens_ref, starts_ref, _ = refs
-        _, params = _read_params(int_ref, float_ref, *tensor_refs)
-        _, _, kv_lo, kv_hi, _, _ = _decode_cache_bounds(b, h_kv, lens_ref, starts_ref, capacity, group, new_tokens, *params)
-        return _clamp_block(kv_block, kv_lo, kv_hi, num_blocks)
+    def visited(slot, h_kv, kv_block, refs):
+        """The slot's sequence, and the kv block step kv_block fetches (see _clamp_block)."""
+        _, params = _read_params(*refs[:-5])
+        b, _, _, _, kv_lo, kv_hi, _, _ = _decode_cache_bounds(slot, h_kv, refs[-5:-1], capacity, group, new_tokens, *params)
+        return b, _clamp_block(kv_block, kv_lo, kv_hi, num_blocks)
 
     def piece(j):
-        def index_map(b, h_kv, kv_block, *refs):
-            block = visited(b, h_kv, kv_block, refs)
+        def index_map(slot, h_kv, kv_block, *refs):
+            b, block = visited(slot, h_kv, kv_block, refs)
             if num_pages is None:
                 return b, h_kv, block, 0
             # Entries past the table, and pages past the cache, read the last one (never visible).
@@ -341,14 +350,14 @@ def _decode_specs(group, new_tokens, capacity, page_size, num_pages):
 
         return index_map
 
-    def row_block(b, h_kv, kv_block, *refs):
-        return b, h_kv, 0, 0
+    def row_block(slot, h_kv, kv_block, *refs):
+        return slot, h_kv, 0, 0
 
     def gathered_spec(shape):
-        """BlockSpec of a gathered array [batch, kv_heads | 1, rows | 1, capacity | 1]."""
+        """BlockSpec of a gathered array [slots, kv_heads | 1, rows | 1, capacity | 1]."""
 
-        def index_map(b, h_kv, kv_block, *refs):
-            return b, h_kv if shape[1] > 1 else 0, 0, visited(b, h_kv, kv_block, refs) if shape[3] > 1 else 0
+        def index_map(slot, h_kv, kv_block, *refs):
+            return slot, h_kv if shape[1] > 1 else 0, 0, visited(slot, h_kv, kv_block, refs)[1] if shape[3] > 1 else 0
 
         return pl.BlockSpec((None, None, shape[2], BLOCK_KV if shape[3] > 1 else 1), index_map)
 
@@ -368,28 +377,29 @@ def _decode_specs(group, new_tokens, capacity, page_size, num_pages):
 # its cache through the pipelined DMAs at full bandwidth on its own. A split would add a second
 # pass over the partial outputs (merge_partials) and win only at batch x kv_heads = 1 on a
 # two-core chip.
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _decode(q, k_cache, v_cache, prefetch, gathered, interpret):
-    """(out, lse) of the new tokens q [B, H, T, D] against a KV cache (see attention_with_kvcache);
-    prefetch ends with the cache lengths, the sequences' first rows (cache_leftpad) and the block
-    table ([batch, max_pages]; contiguous caches: a placeholder of one dimension)."""
-    batch, heads, new_tokens, _ = q.shape
-    kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
+@functools.partial(jax.jit, static_argnames=("new_tokens", "interpret"))
+def _decode(q, k_cache, v_cache, prefetch, gathered, new_tokens, interpret):
+    """(out, lse) of the slots' new tokens q [slots, kv_heads, group x new_tokens, D] (_slots) against
+    a KV cache (see attention_with_kvcache), shaped as q's rows ([..., HEAD_DIM_V] and [...]);
+    prefetch ends with the cache lengths, the sequences' first rows (cache_leftpad), the slots'
+    sequences and backs, and the block table ([batch, max_pages]; contiguous caches: a placeholder of
+    one dimension)."""
+    slots, kv_heads, rows, _ = q.shape
+    page_size = k_cache.shape[2]
+    group = rows // new_tokens
     table = prefetch[-1]
     paged = table.ndim == 2
     capacity = table.shape[1] * page_size if paged else page_size
     specs = _decode_specs(group, new_tokens, capacity, page_size, k_cache.shape[0] if paged else None)
     pieces = specs["pieces"]
-    rows = group * new_tokens
     out, lse = _call(
         _decode_kernel,
-        grid=(batch, kv_heads, pl.cdiv(capacity, BLOCK_KV)),
+        grid=(slots, kv_heads, pl.cdiv(capacity, BLOCK_KV)),
         in_specs=[specs["q"], *specs["k"], *specs["v"], *(specs["gathered"](g.shape) for g in gathered)],
         out_specs=[specs["o"], specs["lse"]],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, kv_heads, rows, HEAD_DIM_V), q.dtype),
-            jax.ShapeDtypeStruct((batch, kv_heads, rows, 1), jnp.float32),
+            jax.ShapeDtypeStruct((slots, kv_heads, rows, HEAD_DIM_V), q.dtype),
+            jax.ShapeDtypeStruct((slots, kv_heads, rows, 1), jnp.float32),
         ],
         scratch=[
             pltpu.VMEM((rows, 1), jnp.float32),  # m: running row max
@@ -402,43 +412,90 @@ def _decode(q, k_cache, v_cache, prefetch, gathered, interpret):
         new_tokens=new_tokens,
         capacity=capacity,
         pieces=pieces,
-    )(*prefetch, q.reshape(batch, kv_heads, rows, HEAD_DIM), *[k_cache] * pieces, *[v_cache] * pieces, *gathered)
-    return out.reshape(batch, heads, new_tokens, HEAD_DIM_V), lse.reshape(batch, heads, new_tokens)
+    )(*prefetch, q, *[k_cache] * pieces, *[v_cache] * pieces, *gathered)
+    return out, lse[..., 0]
 
 
-def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v):
-    """The caches with k and v, [batch, kv_heads, T_new, d], written at positions cache_seqlens[b] + t
-    of each sequence, and the lengths with them. With concrete lengths an append past a sequence's
-    pages (or into a page the block table does not have) raises before anything is written; traced
-    ones (under jit) cannot be checked, and writes outside the cache are dropped."""
-    _check_append(k, v, k_cache, v_cache, cache_seqlens)
+def _slots(q, kv_heads, cu_seqlens_q, new_tokens):
+    """The decode kernel's slots: up to new_tokens new tokens of one sequence each. Returns each slot's
+    sequence, its `back` (how far its first token lies from the sequence's end; 0: none), its rows
+    [slots, kv_heads, group x new_tokens, D] of q, and `unpack`, which takes the kernel's rows back
+    to q's: [B, H, T, ...], or with cu_seqlens_q [total_q, H, ...].
+
+    q [B, H, T, D]: a slot per sequence, its T tokens. Ragged, q [total_q, H, D] packed by
+    cu_seqlens_q: sequence b's tokens fill slots from cu_seqlens_q[b] // new_tokens + b on
+    (total_q // new_tokens + batch slots: a static count, enough whatever the lengths; a slot past
+    its sequence's tokens has back 0 and visits no key); with one token a slot, slots from
+    cu_seqlens_q[b] on, exactly. Rows past a slot's tokens repeat its last one, and offsets are
+    clamped into q: nothing is read outside it."""
+    group = q.shape[1] // kv_heads
+    if cu_seqlens_q is None:
+        batch, heads, tokens, dim = q.shape
+        unpack = lambda rows: rows.reshape(batch, heads, tokens, *rows.shape[3:])
+        return jnp.arange(batch), jnp.full((batch,), tokens, jnp.int32), q.reshape(batch, kv_heads, group * tokens, dim), unpack
+    (total_q, heads, dim), batch = q.shape, cu_seqlens_q.shape[0] - 1
+    cu = jnp.clip(cu_seqlens_q, 0, total_q)
+    lengths = jnp.maximum(cu[1:] - cu[:-1], 0)
+    first_slot = cu[:-1] // new_tokens + (jnp.arange(batch, dtype=jnp.int32) if new_tokens > 1 else 0)
+    slots = total_q // new_tokens + (batch if new_tokens > 1 else 0)
+    sequence = jnp.clip(jnp.searchsorted(first_slot, jnp.arange(slots), side="right") - 1, 0, batch - 1).astype(jnp.int32)
+    first_token = (jnp.arange(slots, dtype=jnp.int32) - first_slot[sequence]) * new_tokens  # in its sequence
+    back = jnp.maximum(lengths[sequence] - first_token, 0)
+    last = jnp.maximum(lengths[sequence] - 1, 0)[:, None]
+    token = cu[sequence][:, None] + jnp.clip(first_token[:, None] + jnp.arange(new_tokens), 0, last)
+    token = jnp.clip(token, 0, max(total_q - 1, 0))  # [slots, new_tokens]
+    rows = q[token].reshape(slots, new_tokens, kv_heads, group, dim).transpose(0, 2, 3, 1, 4)
+    # Each token's slot and row in it.
+    of_token = _token_sequences(cu, total_q)
+    within = jnp.arange(total_q, dtype=jnp.int32) - cu[of_token]
+    token_slot, token_row = first_slot[of_token] + within // new_tokens, within % new_tokens
+
+    def unpack(out):
+        out = out.reshape(slots, kv_heads, group, new_tokens, *out.shape[3:])
+        return jnp.moveaxis(out, 3, 1).reshape(slots, new_tokens, heads, *out.shape[4:])[token_slot, token_row]
+
+    return sequence, back, rows.reshape(slots, kv_heads, group * new_tokens, dim), unpack
+
+
+def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q):
+    """The caches with k and v, [batch, kv_heads, T_new, d] (or packed as q by cu_seqlens_q:
+    [total_q, kv_heads, d]), written at positions cache_seqlens[b] + t of each sequence, and the
+    lengths with them. With concrete lengths an append past a sequence's pages (or into a page the
+    block table does not have) raises before anything is written; traced ones (under jit) cannot be
+    checked, and writes outside the cache are dropped."""
     k_cache, v_cache, cache_seqlens = jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(cache_seqlens)
-    batch, tokens = k.shape[0], k.shape[2]
-    page_size = k_cache.shape[2]
+    batch, page_size = cache_seqlens.shape[0], k_cache.shape[2]
     capacity = block_table.shape[1] * page_size if block_table is not None else page_size
-    position = cache_seqlens[:, None] + jnp.arange(tokens, dtype=jnp.int32)  # [batch, T_new]
+    if cu_seqlens_q is None:  # the tokens sequence-major, as packed ones
+        tokens = k.shape[2]
+        k, v = (new.transpose(0, 2, 1, 3).reshape(batch * tokens, new.shape[1], new.shape[3]) for new in (k, v))
+        first_token, added = jnp.arange(batch, dtype=jnp.int32) * tokens, jnp.full((batch,), tokens, jnp.int32)
+    else:
+        first_token, added = cu_seqlens_q[:-1], cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    sequence = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), added, total_repeat_length=k.shape[0])
+    position = cache_seqlens[sequence] + jnp.arange(k.shape[0], dtype=jnp.int32) - first_token[sequence]
     if block_table is None:
-        pages, rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], position.shape), position
+        pages, rows = sequence, position
     else:  # (the table is read at clamped indices: a bad position must not index past it)
-        pages = jnp.take_along_axis(block_table, jnp.clip(position // page_size, 0, block_table.shape[1] - 1), axis=1)
+        pages = block_table[sequence, jnp.clip(position // page_size, 0, block_table.shape[1] - 1)]
         rows = position % page_size
     if position.size and not isinstance(position, jax.core.Tracer):
         first, last = int(position.min()), int(position.max())
         if first < 0 or last >= capacity:
-            raise ValueError(f"appending {tokens} tokens writes positions {first}..{last}; the cache holds 0..{capacity - 1}")
+            raise ValueError(f"appending writes positions {first}..{last}; the cache holds 0..{capacity - 1}")
         if block_table is not None and not 0 <= int(pages.min()) <= int(pages.max()) < k_cache.shape[0]:
             raise ValueError(f"block_table names pages outside 0..{k_cache.shape[0] - 1} for the appended tokens")
     pages = jnp.where((position >= 0) & (position < capacity), pages, k_cache.shape[0])  # past the cache: dropped
     k_cache, v_cache = (
-        cache.at[pages, :, rows].set(new.transpose(0, 2, 1, 3), mode="drop")  # [batch, T_new, kv_heads, d] at (page, row)
+        cache.at[pages, :, rows].set(new, mode="drop")  # [tokens, kv_heads, d] at (page, row)
         for cache, new in ((k_cache, k), (v_cache, v))
     )
-    return k_cache, v_cache, cache_seqlens + tokens
+    return k_cache, v_cache, cache_seqlens + added
 
 
 def attention_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, scale=None,
-    return_lse=False, interpret=False, layout="bhsd", **params
+    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, cu_seqlens_q=None,
+    max_seqlen_q=None, scale=None, return_lse=False, interpret=False, layout="bhsd", **params
 ):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `prefix_lm_batched`; inference only (not differentiable).
@@ -465,6 +522,13 @@ def attention_with_kvcache(
         cache_leftpad: int32 [batch] (FlashAttention's), left padding: sequence b is the cache's
             rows cache_leftpad[b] .. cache_seqlens[b] - 1 (clamped into 0 .. cache_seqlens[b]), and
             the spec sees its positions counted from there (its length cache_seqlens[b] - cache_leftpad[b]).
+        cu_seqlens_q: int32 [batch + 1] (FlashAttention's; JAX's ragged paged attention): a different
+            number of new tokens each sequence, packed end to end: q [total_q, heads, d], sequence b's
+            tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 (0 first, total_q last; checked where
+            concrete; traced ones are clamped into q). k and v are packed alike, [total_q, kv_heads,
+            d]; the output is [total_q, heads, d] and the LSE [heads, total_q], whatever the layout.
+        max_seqlen_q: the most new tokens of a sequence (with cu_seqlens_q): sizes the tiles, not what
+            is computed; pass it under jit. Default: read from concrete cu_seqlens_q, else total_q.
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
         layout: "bhsd" (the shapes above) or "bshd", FlashAttention's: q [batch, T, heads, d], caches
@@ -478,28 +542,61 @@ def attention_with_kvcache(
         out, [batch, heads, T, 128] (and lse if return_lse). Rows with no visible key give 0 (lse -inf).
         With k and v: (out[, lse], k_cache, v_cache), the caches holding the appended tokens.
     """
-    q, k_cache, v_cache, k, v = _as_bhsd(layout, q, k_cache, v_cache, k, v)
-    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad)
-    cache_seqlens = _cache_seqlens(cache_seqlens, q)
+    q, k_cache, v_cache, k, v = _as_bhsd(layout, q, k_cache, v_cache, k, v)  # (packed q, k and v stay)
+    batch = _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q)
+    if max_seqlen_q is not None and not (isinstance(max_seqlen_q, int) and max_seqlen_q >= 1):
+        raise ValueError(f"max_seqlen_q must be a positive int or None, got {max_seqlen_q!r}")
+    if cu_seqlens_q is not None:
+        most = _ragged_tokens(cu_seqlens_q, q.shape[0]) or max_seqlen_q or q.shape[0]
+        new_tokens = 1 << (max(min(most, q.shape[0]), 1) - 1).bit_length()  # (a power of two: fewer kernels)
+    else:
+        new_tokens = q.shape[2]
+    cache_seqlens = _cache_seqlens(cache_seqlens, q, batch)
     appended = k is not None or v is not None
     if appended:
-        k_cache, v_cache, cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v)
+        _check_append(k, v, k_cache, v_cache, batch, None if cu_seqlens_q is None else q.shape[0])
+        k_cache, v_cache, cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
     capacity = block_table.shape[1] * k_cache.shape[2] if block_table is not None else k_cache.shape[2]
-    sizes = {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k_cache.shape[1], "q_len": capacity, "kv_len": capacity}
+    sizes = {"batch": batch, "heads": q.shape[1], "kv_heads": k_cache.shape[1], "q_len": capacity, "kv_len": capacity}
     prefetch, scalar_values, tensors = _prefetched(params, scale, q, sizes)
     if q.size == 0 or capacity == 0:
-        out = jnp.zeros((*q.shape[:3], HEAD_DIM_V), q.dtype)
-        lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+        out = jnp.zeros((*q.shape[:-1], HEAD_DIM_V), q.dtype)
+        lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
     else:
+        kv_heads = k_cache.shape[1]
+        sequence, back, rows, unpack = _slots(q, kv_heads, cu_seqlens_q, new_tokens)
         table = block_table if block_table is not None else jnp.zeros((1,), jnp.int32)  # (unread without pages)
-        starts = jnp.zeros(q.shape[:1], jnp.int32) if cache_leftpad is None else cache_leftpad
-        prefetch = (*prefetch, cache_seqlens, starts, table)
+        starts = jnp.zeros((batch,), jnp.int32) if cache_leftpad is None else cache_leftpad
+        prefetch = (*prefetch, cache_seqlens, starts, sequence, back, table)
         gathered = ()
-        out, lse = _decode(q, k_cache, v_cache, prefetch, gathered, interpret)
-    results = (*_as_bhsd(layout, out), lse) if return_lse else _as_bhsd(layout, out)
+        out, lse = (unpack(x) for x in _decode(rows, k_cache, v_cache, prefetch, gathered, new_tokens, interpret))
+    if cu_seqlens_q is not None:  # rows [total_q, heads]; the LSE as FlashAttention's varlen kernels give it
+        results = (out, lse.T) if return_lse else (out,)
+    else:
+        results = (*_as_bhsd(layout, out), lse) if return_lse else _as_bhsd(layout, out)
     if appended:
         results += _as_bhsd(layout, k_cache, v_cache)
-    return results if len(results) > 1 else out
+    return results if len(results) > 1 else results[0]
+
+
+def _ragged_tokens(cu_seqlens_q, total_q):
+    """The most new tokens of a sequence, from concrete cu_seqlens_q, whose offsets are checked on
+    the way: 0 first, never decreasing, total_q last. None for traced ones (under jit), which cannot
+    be read: _slots clamps them into q."""
+    if isinstance(cu_seqlens_q, jax.core.Tracer):
+        return None
+    lengths = jnp.diff(cu_seqlens_q)
+    first, last, shortest, longest = (int(x) for x in (cu_seqlens_q[0], cu_seqlens_q[-1], lengths.min(initial=0), lengths.max(initial=0)))
+    if first != 0 or last != total_q or shortest < 0:
+        raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at {total_q}, the packed length of q")
+    return longest
+
+
+def _token_sequences(cu_seqlens_q, total_q):
+    """The sequence of each of the total_q packed tokens (the last b whose tokens start at or before it)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    index = jnp.arange(total_q, dtype=jnp.int32)
+    return jnp.clip(jnp.searchsorted(jnp.clip(cu_seqlens_q, 0, total_q), index, side="right") - 1, 0, max(batch - 1, 0))
 
 
 def _query_head_and_block(h_kv, step, group, q_len):
@@ -829,7 +926,7 @@ def _one_length(cache_seqlens):
     return isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
 
 
-def _cache_seqlens(cache_seqlens, q):
+def _cache_seqlens(cache_seqlens, q, batch):
     """cache_seqlens as the kernels take it: an int (not a bool) is every sequence's length, as
     FlashAttention's flash_attn_with_kvcache spells it (clamped into int32; the kernels clamp lengths
     into the cache); anything else is as _check_kvcache found it.
@@ -837,14 +934,16 @@ def _cache_seqlens(cache_seqlens, q):
     if not _one_length(cache_seqlens):
         return cache_seqlens
     length = min(max(cache_seqlens, 0), 2**31 - 1)
-    return jnp.full((q.shape[0],), length, jnp.int32)
+    return jnp.full((batch,), length, jnp.int32)
 
 
-def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad):
-    """The inputs of attention_with_kvcache: shapes, dtypes, before any launch."""
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q):
+    """The inputs of attention_with_kvcache: shapes, dtypes, before any launch;
+    returns the number of sequences."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if getattr(t, "ndim", None) != 4:
-            raise ValueError(f"{name} must be a 4-D array")
+        dims = 3 if name == "q" and cu_seqlens_q is not None else 4
+        if getattr(t, "ndim", None) != dims:
+            raise ValueError(f"{name} must be a {dims}-D array" + (" [total_q, heads, head_dim] (with cu_seqlens_q)" if dims == 3 else ""))
         if t.dtype != DTYPE:
             raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
         if t.shape[-1] != (HEAD_DIM_V if name == "v_cache" else HEAD_DIM):
@@ -854,29 +953,45 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpa
             f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
             " (caches alike; kv heads dividing q heads)"
         )
-    tables = [] if _one_length(cache_seqlens) else [("cache_seqlens", cache_seqlens, (q.shape[0],))]
+    if cu_seqlens_q is not None:
+        _check_index_table("cu_seqlens_q", cu_seqlens_q, (None,), q)
+        if cu_seqlens_q.shape[0] == 0:
+            raise ValueError("cu_seqlens_q must hold [sequences + 1] offsets, 0 first; it is empty")
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    tables = [] if _one_length(cache_seqlens) else [("cache_seqlens", cache_seqlens, (batch,))]
     if cache_leftpad is not None:
-        tables.append(("cache_leftpad", cache_leftpad, (q.shape[0],)))
+        tables.append(("cache_leftpad", cache_leftpad, (batch,)))
     if block_table is not None:
-        tables.append(("block_table", block_table, (q.shape[0], None)))
-    elif k_cache.shape[0] != q.shape[0]:
-        raise ValueError(f"a contiguous cache holds one sequence per batch entry: k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}")
+        tables.append(("block_table", block_table, (batch, None)))
+    elif k_cache.shape[0] != batch:
+        raise ValueError(f"a contiguous cache holds one sequence per batch entry: k_cache {tuple(k_cache.shape)}, {batch} sequences")
     for name, t, shape in tables:
-        if getattr(t, "dtype", None) != jnp.int32:
-            kind = "an int or an int32 array" if name == "cache_seqlens" else "an int32 array"
-            raise TypeError(f"{name} must be {kind}, got {getattr(t, 'dtype', type(t).__name__)}")
-        if t.ndim != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
+        _check_index_table(name, t, shape, q)
+    return batch
 
 
-def _check_append(k, v, k_cache, v_cache, cache_seqlens):
+def _check_index_table(name, t, shape, q):
+    """An int32 array of attention_with_kvcache (lengths, offsets, a block table) of `shape` (None: any size)."""
+    if getattr(t, "dtype", None) != jnp.int32:
+        kind = "an int or an int32 array" if name == "cache_seqlens" else "an int32 array"
+        raise TypeError(f"{name} must be {kind}, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.ndim != len(shape) or any(want is not None and size != want for size, want in zip(t.shape, shape)):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple('n' if s is None else s for s in shape)}")
+
+
+def _check_append(k, v, k_cache, v_cache, batch, total_q=None):
     """The new keys and values of attention_with_kvcache's append: both given, [batch, kv_heads,
-    T_new, head_dim] of the caches' dtype."""
+    T_new, head_dim], or packed as the queries ([total_q, kv_heads, head_dim], cu_seqlens_q's), of the
+    caches' dtype."""
     if k is None or v is None:
         raise ValueError("pass the new keys and values together: k and v")
+    dims = 4 if total_q is None else 3
     for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if getattr(new, "ndim", None) != 4 or new.dtype != cache.dtype:
-            raise ValueError(f"{name} must be a 4-D array of the caches' dtype ({cache.dtype})")
-        if tuple(new.shape) != (cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]):
-            raise ValueError(f"{name} has shape {tuple(new.shape)}; expected [batch, kv_heads, T_new, head_dim] = "
-                             f"{[cache_seqlens.shape[0], cache.shape[1], k.shape[2], cache.shape[3]]}")
+        if getattr(new, "ndim", None) != dims or new.dtype != cache.dtype:
+            raise ValueError(f"{name} must be a {dims}-D array of the caches' dtype ({cache.dtype})")
+        if total_q is None:
+            shape, named = (batch, cache.shape[1], k.shape[2], cache.shape[3]), "[batch, kv_heads, T_new, head_dim]"
+        else:
+            shape, named = (total_q, cache.shape[1], cache.shape[3]), "[total_q, kv_heads, head_dim] (packed as q)"
+        if tuple(new.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(new.shape)}; expected {named} = {list(shape)}")
