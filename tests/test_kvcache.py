@@ -326,6 +326,23 @@ def test_ragged_calls_append_packed_keys_to_caches_in_either_layout(target):
     np.testing.assert_array_equal(k_after[1], k_cache[1])  # (no token: nothing appended)
 
 
+def test_the_layers_of_a_step_check_their_shared_offsets_once(monkeypatch):
+    """The offsets' check costs a host synchronisation: the layers of one decoding step share one
+    cu_seqlens_q tensor and check it once; changed in place, it is checked again (and refused if bad)."""
+    spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
+    module = harness.load_target(spec, "triton_gpu")
+    g = torch.Generator().manual_seed(1)
+    q, cache = torch.randn(5, 4, 32, generator=g), torch.randn(2, 2, 64, 32, generator=g)
+    lens, cu = torch.tensor([30, 40], dtype=torch.int32), torch.tensor([0, 2, 5], dtype=torch.int32)
+    syncs = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t, tolist=torch.Tensor.tolist: syncs.append(1) or tolist(t))
+    layers = [module.attention_with_kvcache(q, cache, cache, lens, cu_seqlens_q=cu) for _ in range(3)]
+    assert len(syncs) == 1 and all(torch.equal(out, layers[0]) for out in layers)
+    cu[1] = 6  # in place: the version changes
+    with pytest.raises(ValueError, match="never decrease"):
+        module.attention_with_kvcache(q, cache, cache, lens, cu_seqlens_q=cu)
+
+
 @pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
 def test_bad_cu_seqlens_q_are_refused_before_launch(target):
     """Offsets that do not start at 0, decrease, or miss q's length; the wrong dtype; a 4-D q."""

@@ -14,6 +14,7 @@ calls run the same kernels through a torch.autograd.Function, which costs less h
 
 import functools
 import math
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -1106,32 +1107,37 @@ def _decode(
     and lse are shaped as q's rows. The splits' partial outputs, and the LSE where the caller does not
     take it, go to scratch kept per stream (_stream_buffer)."""
     params = _kernel_params(params)
-    out = q.new_empty((*q.shape[:-1], HEAD_DIM_V))
-    rows = out.numel() // HEAD_DIM_V
+    if cu_seqlens_q is None:
+        batch, heads, new_tokens, _ = q.shape
+        shape = (batch, heads, new_tokens)
+    else:  # (new_tokens unread: each sequence's come from cu_seqlens_q)
+        (total_q, heads, _), batch, new_tokens = q.shape, cu_seqlens_q.shape[0] - 1, 0
+        shape = (total_q, heads)
+    rows = math.prod(shape)
+    out = q.new_empty((*shape, HEAD_DIM_V))
     if return_lse:
-        lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+        lse = torch.empty(shape, device=q.device, dtype=torch.float32)
     else:
         lse = _stream_buffer(q.device, "lse", rows)
-    if out.numel() == 0:
+    if rows == 0:
         return out, lse
-    num_splits, *tile_grid = launch.grid
+    num_splits = launch.grid[0]
     parts = lse_parts = splits_done = lse  # (unread without splits)
     if num_splits > 1:
         parts = _stream_buffer(q.device, "parts", num_splits * rows * HEAD_DIM_V)
         lse_parts = _stream_buffer(q.device, "lse_parts", num_splits * rows)
-        splits_done = _stream_counters(q.device, tile_grid[0] * tile_grid[1]) if workspace is None else workspace
+        splits_done = _stream_counters(q.device, launch.grid[1] * launch.grid[2]) if workspace is None else workspace
     table = cache_seqlens if block_table is None else block_table  # (unread without pages)
     leftpad = cache_seqlens if cache_leftpad is None else cache_leftpad  # (unread without)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    if cu_seqlens_q is None:
-        batch, new_tokens, q_strides = q.shape[0], q.shape[2], q.stride()[:3]
-    else:  # (a packed q's token axis is read as its sequences' T axis; new_tokens is unread)
-        batch, new_tokens, q_strides = cu_seqlens_q.shape[0] - 1, 0, (0, q.stride(1), q.stride(0))
+    # (a packed q's token axis read as its sequences' T axis)
+    q_strides = q.stride()[:3] if cu_seqlens_q is None else (0, q.stride(1), q.stride(0))
+    offsets = cache_seqlens if cu_seqlens_q is None else cu_seqlens_q  # (unread when uniform)
     _launch(
         _decode_fwd, launch.grid,
-        q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done, cache_seqlens, leftpad, table,
-        cache_seqlens if cu_seqlens_q is None else cu_seqlens_q, q.shape[1], batch, new_tokens, launch.capacity,
-        k_cache.shape[0], table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *q_strides, scale, *params,
+        q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done, cache_seqlens, leftpad, table, offsets, heads,
+        batch, new_tokens, launch.capacity, k_cache.shape[0], table.stride(0), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], *q_strides, scale, *params,
         **launch.constants,
     )
     return out, lse
@@ -1270,7 +1276,8 @@ def attention_with_kvcache(
         cu_seqlens_q: int32 [batch + 1] (FlashAttention's, vLLM's mixed batches): a different number
             of new tokens each sequence, packed end to end: q [total_q, heads, d], sequence b's tokens
             cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 (0 first, total_q last; checked, one host
-            synchronisation, except under CUDA-graph capture, where the kernel clamps them into q). k
+            synchronisation per offsets tensor while it is unchanged, except under CUDA-graph
+            capture, where the kernel clamps them into q). k
             and v are packed alike, [total_q, kv_heads, d]; the output is [total_q, heads, d] and the
             LSE [heads, total_q], whatever the layout.
         max_seqlen_q: the most new tokens of a sequence (with cu_seqlens_q): sizes the tiles, not what
@@ -1298,10 +1305,11 @@ def attention_with_kvcache(
     capacity = block_table.shape[1] * k_cache.shape[2] if block_table is not None else k_cache.shape[2]
     sizes = {"batch": batch, "heads": q.shape[1], "kv_heads": k_cache.shape[1], "q_len": capacity, "kv_len": capacity}
     scalars, tensors = _check_params(params, q, sizes)
-    for name, count in (("num_splits", num_splits), ("max_seqlen_q", max_seqlen_q)):
-        if count is not None and not (isinstance(count, int) and count >= 1):
-            raise ValueError(f"{name} must be a positive int or None, got {count!r}")
+    if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     if cu_seqlens_q is not None:
+        if max_seqlen_q is not None and not (isinstance(max_seqlen_q, int) and max_seqlen_q >= 1):
+            raise ValueError(f"max_seqlen_q must be a positive int or None, got {max_seqlen_q!r}")
         cu_seqlens_q = cu_seqlens_q.contiguous()
         max_seqlen_q = _ragged_tokens(cu_seqlens_q, q.shape[0]) or max_seqlen_q
     sequences = None if cu_seqlens_q is None else batch
@@ -1324,17 +1332,28 @@ def attention_with_kvcache(
     return (out, lse) if return_lse else out
 
 
+_RAGGED_CHECKED = []  # (weak reference to cu_seqlens_q, its version, total_q, its most tokens), the newest first
+_RAGGED_KEPT = 4
+
+
 def _ragged_tokens(cu_seqlens_q, total_q):
     """The most new tokens of a sequence, from cu_seqlens_q, whose offsets are checked on the way
-    (one host synchronisation): 0 first, never decreasing, total_q last. None under CUDA-graph
-    capture, which cannot read them: the kernel then clamps them into q (it reads and writes nothing
-    outside it; rows it cannot place are left unwritten)."""
+    (one host synchronisation): 0 first, never decreasing, total_q last. The answers for the last
+    few offsets tensors are kept while those are alive and unchanged (their version counter), so
+    the layers of one decoding step, which share one, synchronise once, not once a layer. None
+    under CUDA-graph capture, which cannot read them: the kernel then clamps them into q (it reads
+    and writes nothing outside it; rows it cannot place are left unwritten)."""
     if cu_seqlens_q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
+    for kept, version, total, longest in _RAGGED_CHECKED:
+        if kept() is cu_seqlens_q and cu_seqlens_q._version == version and total == total_q:
+            return longest
     lengths = torch.nn.functional.pad(cu_seqlens_q.diff(), (0, 1))  # (a 0 more: no sequence has extremes too)
     first, last, shortest, longest = torch.stack([cu_seqlens_q[0], cu_seqlens_q[-1], lengths.min(), lengths.max()]).tolist()
     if first != 0 or last != total_q or shortest < 0:
         raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at {total_q}, the packed length of q")
+    checked = (weakref.ref(cu_seqlens_q), cu_seqlens_q._version, total_q, longest)
+    _RAGGED_CHECKED[:] = [checked, *_RAGGED_CHECKED[: _RAGGED_KEPT - 1]]
     return longest
 
 
