@@ -4,7 +4,9 @@ The newest T tokens of each of B sequences (T = 1: decoding; T = 4, 16: speculat
 against a cache of L keys per sequence, H query heads over H_kv kv heads (GQA), bf16, D = 128.
 Ours: `attention_with_kvcache` of specs/causal.toml (queries at positions L - T .. L - 1, causal
 among themselves), on a contiguous cache and on paged caches (16- and 256-token pages, pages in
-random order; also 128-token pages, FlexAttention's). Peers, same inputs: torch SDPA's
+random order; also 128-token pages, FlexAttention's), and on an FP8 cache (e4m3 with a factor per
+sequence and kv head, vLLM's kv_cache_dtype="fp8": half the bytes; its GB/s count the bf16 bytes it
+stands for, so that its column reads as the speed-up). Peers, same inputs: torch SDPA's
 FlashAttention-2 and cuDNN backends and compiled FlexAttention, each over the contiguous cache with
 `enable_gqa` and no mask (for T > 1 the causal mask among the T new tokens is omitted there: T << L,
 the same work), and FlexAttention's paged attention (torch's PagedAttention: 128-token pages, one
@@ -76,6 +78,20 @@ def paged(k: torch.Tensor, v: torch.Tensor, page_size: int, generator):
     return pages_of(k), pages_of(v), order.view(batch, per_sequence).int()
 
 
+def fp8_cache(k, v):
+    """The caches in FP8 as vLLM keeps them: e4m3 with a factor per sequence and kv head (its largest
+    magnitude / 448). Returns ((k8, v8, k_descale, v_descale), k's true values, v's), the true values
+    (e4m3 times factor) in float32."""
+    cached, true = [], []
+    for cache in (k, v):
+        factor = cache.float().abs().amax(dim=(2, 3)).clamp_min(1e-12) / 448
+        e4m3 = (cache.float() / factor[:, :, None, None]).to(torch.float8_e4m3fn)
+        cached.append((e4m3, factor))
+        true.append(e4m3.float() * factor[:, :, None, None])
+    (k8, k_descale), (v8, v_descale) = cached
+    return (k8, v8, k_descale, v_descale), *true
+
+
 def reference(q, k, v, dtype):
     """Attention of the T new tokens (bottom-right causal) over the cache, in `dtype` (float64: the
     oracle; the inputs' dtype: the same-precision baseline, probabilities rounded as a kernel does)."""
@@ -126,7 +142,9 @@ def main() -> None:
     names = list(rows[0]["impls"])
     print(f"\nGB/s of K+V read (% of the {peak:.0f} GB/s copy); B={B}, H={H}, H_kv={Hkv}, D={D}, bf16")
     print(
-        f"{'L':>7} {'T':>3} " + " ".join(f"{n:>16}" for n in names) + "  ours/FA2 ours/cuDNN ours/Flex paged/Flex-paged"
+        f"{'L':>7} {'T':>3} "
+        + " ".join(f"{n:>16}" for n in names)
+        + "  ours/FA2 ours/cuDNN ours/Flex paged/Flex-paged fp8/ours"
     )
     for r in rows:
         cells = []
@@ -139,13 +157,14 @@ def main() -> None:
             )
         ratios = [_ratio(r["impls"], "ours", peer) for peer in ("FA2", "cuDNN", "Flex")]
         ratios.append(_ratio(r["impls"], f"ours paged {FLEX_PAGE}", f"Flex paged {FLEX_PAGE}"))
+        ratios.append(_ratio(r["impls"], "ours fp8", "ours"))
         print(
             f"{r['len']:7d} {r['new_tokens']:3d} "
             + " ".join(f"{c:>16}" for c in cells)
-            + "  {:>8} {:>10} {:>9} {:>17}".format(*ratios)
+            + "  {:>8} {:>10} {:>9} {:>17} {:>8}".format(*ratios)
         )
     print("!: not exact by attngen.exactness's rule")
-    graph_names = ["ours", "ours paged 16", "FA2", "cuDNN"]
+    graph_names = ["ours", "ours paged 16", "ours fp8", "FA2", "cuDNN"]
     print("\nReplayed from CUDA graphs (GB/s; host time per eager call in us in brackets; the last column:")
     print("ours against a graph-replayed copy moving the same bytes)")
     print(f"{'L':>7} {'T':>3} " + " ".join(f"{n:>18}" for n in graph_names) + "  ours/FA2 ours/cuDNN ours/copy")
@@ -172,10 +191,11 @@ def _ratio(impls, name, peer, key="gb_s"):
     return f"{ours[key] / theirs[key]:.2f}" if key in ours and key in theirs else "–"
 
 
-def impls(module, flex, q, k, v, lens, pages, flex_paged):
-    """Each implementation's call on the same inputs."""
+def impls(module, flex, q, k, v, lens, pages, flex_paged, fp8):
+    """Each implementation's call on the same inputs (fp8: the FP8 caches and their factors)."""
 
     workspace = module.kvcache_workspace(q.device)  # one for every call: they run one at a time
+    k8, v8, k_descale, v_descale = fp8
 
     def paged_call(size):
         k_pages, v_pages, table = pages[size]
@@ -183,6 +203,9 @@ def impls(module, flex, q, k, v, lens, pages, flex_paged):
 
     return {
         "ours": lambda: module.attention_with_kvcache(q, k, v, lens, workspace=workspace),
+        "ours fp8": lambda: module.attention_with_kvcache(
+            q, k8, v8, lens, k_descale=k_descale, v_descale=v_descale, workspace=workspace
+        ),
         "ours paged 16": paged_call(16),
         "ours paged 128": paged_call(FLEX_PAGE),
         "ours paged 256": paged_call(256),
@@ -236,6 +259,7 @@ def measure(module, flex, args, head_dim, length, generator):
     B, H, Hkv, D = args.batch, args.heads, args.kv_heads, head_dim
     k, v = (torch.randn(B, Hkv, length, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     pages = {size: paged(k, v, size, generator) for size in (16, FLEX_PAGE, 256)}
+    fp8, k_fp8, v_fp8 = fp8_cache(k, v)
     flex_paged = flex_paged_attention(flex, k, v, generator)
     lens = torch.full((B,), length, dtype=torch.int32, device="cuda")
     bytes_read = B * Hkv * length * 2 * D * 2
@@ -245,19 +269,23 @@ def measure(module, flex, args, head_dim, length, generator):
         # Exactness on the first two sequences (the float64 reference materialises the scores).
         exact = reference(q[:2], k[:2], v[:2], torch.float64)
         baseline = (reference(q[:2], k[:2], v[:2], torch.bfloat16) - exact).abs().max().item()
+        # The FP8 cache's true values: e4m3 times their factors.
+        exact_fp8 = reference(q[:2], k_fp8[:2], v_fp8[:2], torch.float64)
+        baseline_fp8 = (reference(q[:2], k_fp8[:2], v_fp8[:2], torch.bfloat16) - exact_fp8).abs().max().item()
         row = {"len": length, "new_tokens": new_tokens, "batch": B, "heads": H, "kv_heads": Hkv, "impls": {},
                "same_size_copy_gb_s": same_size_copy}  # fmt: skip
         calls = {}
-        for name, fn in impls(module, flex, q, k, v, lens, pages, flex_paged).items():
+        for name, fn in impls(module, flex, q, k, v, lens, pages, flex_paged, fp8).items():
             try:
                 out = fn()
             except Exception as e:  # noqa: BLE001  (a peer that cannot run this shape)
                 row["impls"][name] = {"error": _first_line(e)}
                 continue
-            err = (out[:2].double() - exact).abs().max().item()
+            want, base = (exact_fp8, baseline_fp8) if name == "ours fp8" else (exact, baseline)
+            err = (out[:2].double() - want).abs().max().item()
             # Peers run without the mask among the T new tokens: judged only at T = 1.
             judged = name.startswith("ours") or new_tokens == 1
-            ok = judge("bfloat16", {"out": err}, {"out": baseline}).ok if judged else None
+            ok = judge("bfloat16", {"out": err}, {"out": base}).ok if judged else None
             row["impls"][name] = {"error": err, "exact": ok, "host_us": host_time(fn)}
             calls[name] = fn
 

@@ -79,7 +79,7 @@ def run_row(mask: str, head_dim: int, seq: int) -> dict:
     q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
     scale = head_dim**-0.5
     vt = module._fp8_transposed(v8)
-    descale = module._fp8_descales(q8, k8, qd, kd, vd)
+    descale = module._fp8_descales(q8.device, *k8.shape[:2], qd, kd, vd)
     out = torch.empty_like(q16)
     lse = torch.empty(q.shape[:3], device="cuda")
     causal = mask == "causal"

@@ -51,12 +51,14 @@ def test_descale_factors_per_tensor_and_per_head():
     module = _module()
     q, k = torch.zeros(2, 8, 5, 128), torch.zeros(2, 4, 7, 128)
     per_head = torch.rand(2, 4) + 0.5
-    table = module._fp8_descales(q, k, per_head, torch.tensor([3.0]), None)
+    table = module._fp8_descales(q.device, *k.shape[:2], per_head, torch.tensor([3.0]), None)
     assert table.shape == (2, 4, 2) and table.dtype == torch.float32
     assert torch.equal(table[..., 0], per_head * 3.0) and torch.equal(table[..., 1], torch.ones(2, 4))
-    assert torch.equal(module._fp8_descales(q, k, 2.0, None, 0.5), torch.tensor([4.0 / 2, 0.5]).expand(2, 4, 2))
+    assert torch.equal(
+        module._fp8_descales(q.device, *k.shape[:2], 2.0, None, 0.5), torch.tensor([4.0 / 2, 0.5]).expand(2, 4, 2)
+    )
     with pytest.raises(ValueError, match=r"k_descale must be one number or \[batch, kv_heads\] = \[2, 4\]"):
-        module._fp8_descales(q, k, None, torch.ones(2, 8), None)
+        module._fp8_descales(q.device, *k.shape[:2], None, torch.ones(2, 8), None)
 
 
 def test_attention_fp8_refuses_what_it_cannot_run():

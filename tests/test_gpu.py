@@ -347,6 +347,53 @@ def test_decoding_from_a_paged_cache_on_the_gpu(leftpad, tokens):
             assert_forward("bfloat16", *rows[b], ref_out, ref_lse, base_out)
 
 
+def test_decoding_from_an_fp8_cache_on_the_gpu():
+    """An FP8 paged cache (e4m3, a factor per sequence and kv head, as vLLM keeps it) against its
+    true values (e4m3 times factor) in float64, ragged new tokens and splits on the H200."""
+    spec = load_spec("specs/sliding_window.toml")
+    module = harness.load_target(spec, "triton_gpu")
+    batch, heads, kv_heads, page_size, pages, window = 3, 8, 2, 16, 160, 1000  # 2560 keys a sequence
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    order = torch.randperm(batch * pages, device="cuda", generator=generator)  # page i of the pool at slot order[i]
+    table = order.view(batch, pages).int()
+    true, cached, factors = [], [], []
+    for _ in "kv":
+        x = torch.randn(batch, kv_heads, pages * page_size, 128, device="cuda", generator=generator)
+        factor = x.abs().amax(dim=(2, 3)) / 448
+        e4m3 = (x / factor[:, :, None, None]).to(torch.float8_e4m3fn).float()  # (its values, exactly)
+        true.append(e4m3.double() * factor[:, :, None, None])
+        in_order = (
+            e4m3.view(batch, kv_heads, pages, page_size, 128).transpose(1, 2).reshape(-1, kv_heads, page_size, 128)
+        )
+        cached.append(in_order[torch.argsort(order)].to(torch.float8_e4m3fn))
+        factors.append(factor)
+    k_pages, v_pages = cached
+    tokens, lens = [5, 1, 0], torch.tensor([2560, 700, 9], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, *tokens], device="cuda").cumsum(0).int()
+    q = torch.randn(sum(tokens), heads, 128, device="cuda", generator=generator).bfloat16()
+    out, lse = module.attention_with_kvcache(
+        q, k_pages, v_pages, lens, block_table=table, cu_seqlens_q=cu, k_descale=factors[0], v_descale=factors[1],
+        return_lse=True, window=window,
+    )  # fmt: skip
+    for b, (a, z) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == z:
+            continue
+        length = int(lens[b])
+        position = torch.arange(length - (z - a), length, device="cuda")[:, None]
+        key = torch.arange(length, device="cuda")[None, :]
+        visible = (key <= position) & (position - key < window)
+
+        def reference(dtype, b=b, a=a, z=z, length=length, visible=visible):
+            keys, values = (x[b : b + 1, :, :length].repeat_interleave(heads // kv_heads, 1).to(dtype) for x in true)
+            scores = (q[a:z].transpose(0, 1)[None].to(dtype) @ keys.transpose(-1, -2)).double() / 128**0.5
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+            return (probs.to(dtype) @ values).double(), torch.logsumexp(scores.masked_fill(~visible, float("-inf")), -1)
+
+        ref_out, ref_lse = reference(torch.float64)
+        base_out, _ = reference(torch.bfloat16)
+        assert_forward("bfloat16", out[a:z].transpose(0, 1)[None], lse[:, a:z][None], ref_out, ref_lse, base_out)
+
+
 def test_the_last_split_merges_exactly_and_repeatably_on_the_gpu():
     """Split-KV: the last program of a tile to finish merges every split's partial output. Whichever
     it is, the result is the same bits (20 calls each, many splits finishing together; every other

@@ -3,6 +3,7 @@ cache, contiguous or paged, split over programs or not, with grouped query heads
 float64 reference of attention over the whole sequence (its last rows) -- the same problems on
 both targets: the Triton interpreter and Pallas in TPU interpret mode."""
 
+import functools
 import itertools
 
 import numpy as np
@@ -51,6 +52,7 @@ def problems(draw):
     seqlens = draw(st.lists(st.integers(new_tokens, capacity), min_size=batch, max_size=batch))
     # Ragged (cu_seqlens_q): up to new_tokens new tokens a sequence, none for some.
     ragged = draw(st.booleans())
+    # An FP8 cache read through descale factors (k_descale, v_descale).
     return {
         "dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
         "batch": batch,
@@ -64,6 +66,7 @@ def problems(draw):
         # Left padding (cache_leftpad): each sequence's first row in its cache, or none given.
         "leftpad": draw(st.none() | st.tuples(*(st.integers(0, length - new_tokens) for length in seqlens))),
         "num_splits": draw(st.sampled_from([None, 1, 2, 3])),
+        "fp8": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**31)),
     }
 
@@ -81,21 +84,34 @@ def _as_cache(rows, table, num_pages, page_size):
     return pages
 
 
+def _as_e4m3(x):
+    """x rounded to float8 e4m3 (FP8 caches' values), as float32."""
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.float8_e4m3fn).float().numpy()
+
+
 def _pallas_module(spec):
     """The Pallas module with 128-key blocks: caches of up to 200 keys span two, so EMPTY blocks
     are skipped (and not fetched) and a paged block is made of several pages."""
     return harness.load_target(with_config(spec, "pallas_tpu", block_kv=128), "pallas_tpu")
 
 
-def _run(target, spec, dtype, q, k_cache, v_cache, seqlens, table, leftpad, num_splits, params, cu_seqlens_q=None):
+def _run(
+    target, spec, dtype, q, k_cache, v_cache, seqlens, table, leftpad, num_splits, params, cache_dtype=None, **call
+):
     """(out, lse) as float32 numpy arrays from `target`'s attention_with_kvcache on float32 inputs
-    holding `dtype` values; num_splits is Triton's (Pallas does not split)."""
-    if cu_seqlens_q is not None:
-        params = dict(params, cu_seqlens_q=cu_seqlens_q)
+    holding `dtype` values (the caches: cache_dtype's, default dtype); num_splits is Triton's (Pallas
+    does not split); call: more arguments (cu_seqlens_q, descale factors), numpy arrays."""
+    params = dict(params, **{name: value for name, value in call.items() if value is not None})
+    cache_dtype = cache_dtype or dtype
     if target == "triton_gpu":
-        module, torch_dtype = harness.load_target(spec, "triton_gpu"), getattr(torch, dtype)
+        module, torch_dtype, torch_cache = (
+            harness.load_target(spec, "triton_gpu"),
+            getattr(torch, dtype),
+            getattr(torch, cache_dtype),
+        )
         out, lse = module.attention_with_kvcache(
-            *(torch.from_numpy(x).to(torch_dtype) for x in (q, k_cache, v_cache)),
+            torch.from_numpy(q).to(torch_dtype),
+            *(torch.from_numpy(x).to(torch_cache) for x in (k_cache, v_cache)),
             torch.from_numpy(seqlens),
             block_table=None if table is None else torch.from_numpy(table),
             cache_leftpad=None if leftpad is None else torch.from_numpy(leftpad),
@@ -107,7 +123,8 @@ def _run(target, spec, dtype, q, k_cache, v_cache, seqlens, table, leftpad, num_
     import jax.numpy as jnp
 
     out, lse = _pallas_module(spec).attention_with_kvcache(
-        *(jnp.asarray(x).astype(dtype) for x in (q, k_cache, v_cache)),
+        jnp.asarray(q).astype(dtype),
+        *(jnp.asarray(x).astype(cache_dtype) for x in (k_cache, v_cache)),
         jnp.asarray(seqlens),
         block_table=None if table is None else jnp.asarray(table),
         cache_leftpad=None if leftpad is None else jnp.asarray(leftpad),
@@ -142,12 +159,17 @@ def check(spec_name: str, p: dict, target: str = "triton_gpu"):
     tokens = p.get("tokens") or [T] * B  # each sequence's new tokens
     q_new = [draw(H, t, spec.head_dim) for t in tokens]
     k_rows, v_rows = draw(B, kv_heads, cap, spec.head_dim), draw(B, kv_heads, cap, spec.value_dim)
+    k_cached, v_cached, descales = k_rows, v_rows, (None, None)
+    if p.get("fp8"):  # the cache holds e4m3 values; the true keys and values are those times their factors
+        descales = rng.uniform(0.25, 2.0, (2, B, kv_heads)).astype(np.float32)
+        k_cached, v_cached = (_as_e4m3(rows / d[:, :, None, None]) for rows, d in zip((k_rows, v_rows), descales))
+        k_rows, v_rows = (cached * d[:, :, None, None] for cached, d in zip((k_cached, v_cached), descales))
     table, num_pages = None, 0
     if p["page_size"] is not None:
         pages_per_sequence = cap // p["page_size"]
         num_pages = B * pages_per_sequence + 3  # a few pages no sequence uses
         table = rng.permutation(num_pages)[: B * pages_per_sequence].reshape(B, pages_per_sequence)
-    k_cache, v_cache = (_as_cache(rows, table, num_pages, p["page_size"]) for rows in (k_rows, v_rows))
+    k_cache, v_cache = (_as_cache(rows, table, num_pages, p["page_size"]) for rows in (k_cached, v_cached))
     params = example_params(spec_name, B, H, cap, cap, seed=p["seed"])
     seqlens = np.array(p["seqlens"], np.int32)
     table = None if table is None else table.astype(np.int32)
@@ -157,8 +179,9 @@ def check(spec_name: str, p: dict, target: str = "triton_gpu"):
     else:  # packed [total_q, heads, dim]
         q, cu_seqlens_q = np.concatenate(q_new, axis=1).transpose(1, 0, 2), np.cumsum([0, *tokens], dtype=np.int32)
     out, lse = _run(
-        target, spec, p["dtype"], q, k_cache, v_cache, seqlens, table, leftpad, p["num_splits"], params, cu_seqlens_q
-    )
+        target, spec, p["dtype"], q, k_cache, v_cache, seqlens, table, leftpad, p["num_splits"], params,
+        "float8_e4m3fn" if p.get("fp8") else None, cu_seqlens_q=cu_seqlens_q, k_descale=descales[0], v_descale=descales[1],
+    )  # fmt: skip
     if cu_seqlens_q is not None:  # as [1, heads, total_q, ...], the sequences end to end
         out, lse = out.transpose(1, 0, 2)[None], lse[None]
     # The new rows of every sequence, judged at once. The same-precision baseline's error is taken
@@ -377,6 +400,49 @@ def test_bad_cu_seqlens_q_are_refused_before_launch(target):
         wrap(q), wrap(cache), wrap(cache), lens, cu_seqlens_q=wrap(np.array([0, 2, 5], np.int32)), **extra
     )
     assert tuple(out.shape) == (5, 4, 32)  # the unchanged inputs run: the refusals came from the changes alone
+
+
+@pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_an_fp8_cache_reads_as_its_values_times_their_factors(target, page_size):
+    """An FP8 cache with power-of-two descale factors per (sequence, kv head) gives the same bits as a
+    bfloat16 cache holding e4m3 values times their factors (exact in bfloat16): widening e4m3 is
+    exact, and so is a power-of-two factor on q.k and on the output; over splits, ragged tokens too."""
+    spec = retarget(load_spec("specs/sliding_window.toml"), 32, "bfloat16")
+    rng = np.random.default_rng(6)
+    batch, kv_heads, heads, capacity = 3, 2, 4, 128
+    e4m3 = [_as_e4m3(2 * rng.standard_normal((batch, kv_heads, capacity, 32))) for _ in range(2)]
+    factors = (2.0 ** rng.integers(-3, 4, (2, batch, kv_heads))).astype(np.float32)
+    exact = [x * f[:, :, None, None] for x, f in zip(e4m3, factors)]
+    table = None if page_size is None else rng.permutation(batch * 8).reshape(batch, 8).astype(np.int32)
+    caches = [_as_cache(x, table, batch * 8, page_size) for x in (*e4m3, *exact)]
+    q = round_to(rng.standard_normal((6, heads, 32)).astype(np.float32), "bfloat16")
+    lens, cu = np.array([128, 70, 9], np.int32), np.array([0, 3, 4, 6], np.int32)
+    run = functools.partial(_run, target, spec, "bfloat16", q, num_splits=2, params={"window": 50}, cu_seqlens_q=cu)
+    fp8 = run(*caches[:2], lens, table, None, cache_dtype="float8_e4m3fn", k_descale=factors[0], v_descale=factors[1])
+    bf16 = run(*caches[2:], lens, table, None)
+    for got, want in zip(fp8, bf16, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_descale_factors_and_cache_dtypes_are_checked():
+    """Factors of another shape; caches of two dtypes; an FP8 q (only caches may be FP8)."""
+    spec = retarget(load_spec("specs/causal.toml"), 32, "bfloat16")
+    module = harness.load_target(spec, "triton_gpu")
+    q, cache = torch.randn(2, 4, 1, 32).bfloat16(), torch.randn(2, 2, 64, 32).to(torch.float8_e4m3fn)
+    lens = torch.tensor([30, 40], dtype=torch.int32)
+    with pytest.raises(
+        ValueError, match=r"k_descale must be one number or \[batch, kv_heads\] = \[2, 2\], got \[2, 4\]"
+    ):
+        module.attention_with_kvcache(q, cache, cache, lens, k_descale=torch.ones(2, 4))
+    with pytest.raises(TypeError, match="caches of one dtype"):
+        module.attention_with_kvcache(q, cache, cache.bfloat16(), lens)
+    with pytest.raises(
+        TypeError, match=r"q is torch.float8_e4m3fn; this kernel was generated for torch.bfloat16 \(the spec's dtype\)$"
+    ):
+        module.attention_with_kvcache(q.to(torch.float8_e4m3fn), cache, cache, lens)
+    out = module.attention_with_kvcache(q, cache, cache, lens, k_descale=0.5, v_descale=torch.full((2, 2), 2.0))
+    assert out.shape == (2, 4, 1, 32) and out.dtype == torch.bfloat16  # the unchanged inputs run
 
 
 def test_a_split_of_no_keys_merges_to_nothing():

@@ -265,6 +265,7 @@ KERNELS = (
             ("CACHE_LEFTPAD", I32_POINTER),
             ("BLOCK_TABLE", I32_POINTER),
             ("CU_SEQLENS_Q", I32_POINTER),
+            ("KV_DESCALE", F32_POINTER),
             ("num_heads", Arg("i32", divisible=True)),
             ("batch", Arg("i32")),
             ("new_tokens", Arg("i32")),
@@ -283,12 +284,14 @@ KERNELS = (
             ("scale", Arg("fp32")),
         ),
         # One query head per kv head, a contiguous cache (PAGE_SIZE 0), as many new tokens in every
-        # sequence (RAGGED 0), no split: each of those (and each page size) compiles a kernel of its own.
+        # sequence (RAGGED 0), no descale factors (DESCALED 0: an FP8 cache's), no split: each of those
+        # (and each page size) compiles a kernel of its own.
         constexprs=(
             ("GROUP", 1),
             ("PAGE_SIZE", 0),
             ("LEFTPAD", 0),
             ("RAGGED", 0),
+            ("DESCALED", 0),
             ("SPLIT", 0),
             ("MERGE_M", 1),
             ("MERGE_SPLITS", 1),

@@ -126,7 +126,8 @@ def _problem(module, device):
     decode_q = array((1, kv_heads, DECODE_ROWS, module.HEAD_DIM), module.DTYPE)
     decode_sizes = {"batch": 1, "heads": heads, "kv_heads": kv_heads, "q_len": capacity, "kv_len": capacity}
     one = array((1,), jnp.int32)
-    decode_scalars = (*scalars, *smem(decode_sizes), one, one, one, one)  # lengths, starts, slots' sequences and backs
+    descales = array((kv_heads * 2,), jnp.float32)
+    decode_scalars = (*scalars, *smem(decode_sizes), one, one, one, one, descales)  # lengths, starts, slots, descales
     decode = functools.partial(module._decode, new_tokens=new_tokens)
     decode_gathered = tuple(
         array(shape, dtype)

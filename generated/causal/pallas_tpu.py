@@ -28,7 +28,7 @@ BLOCK_Q = 512
 BLOCK_KV = 512
 VMEM_LIMIT_BYTES = None  # None: Mosaic's default
 NUM_SCALAR_PREFETCH = 2  # int params, float params
-DECODE_SCALAR_PREFETCH = 7  # int params, float params, cache lengths, starts, slots' sequences and backs, block table
+DECODE_SCALAR_PREFETCH = 8  # int params, float params, cache lengths, starts, slots' sequences and backs, descales, block table
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # dot_general dims for a.T @ b
 
@@ -271,13 +271,16 @@ def _decode_kernel(*refs, group, new_tokens, capacity, pieces):
     prefetch, (q_ref, *refs) = refs[:DECODE_SCALAR_PREFETCH], refs[DECODE_SCALAR_PREFETCH:]
     k_refs, v_refs, refs = refs[:pieces], refs[pieces : 2 * pieces], refs[2 * pieces :]
     o_ref, lse_ref, m_scratch, l_scratch, acc_scratch = refs
-    int_ref, float_ref, *tensor_refs = prefetch[:-5]
+    int_ref, float_ref, *tensor_refs = prefetch[:-6]
+    descale_ref = prefetch[-2]  # [batch x kv_heads x 2]: what k and v are multiplied by (_descales)
     slot, h_kv, kv_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     scale, params = _read_params(int_ref, float_ref, *tensor_refs)
     b, back, start, end, kv_lo, kv_hi, full_lo, full_hi = _decode_cache_bounds(
-        slot, h_kv, prefetch[-5:-1], capacity, group, new_tokens, *params
+        slot, h_kv, prefetch[-6:-2], capacity, group, new_tokens, *params
     )
     seq_len = end - start
+    descale = (b * pl.num_programs(1) + h_kv) * 2
+    scale = scale * descale_ref[descale]  # k's factor scales q.k; v's, the output (_finalize)
 
     @pl.when(kv_block == 0)
     def _init():
@@ -287,6 +290,7 @@ def _decode_kernel(*refs, group, new_tokens, capacity, pieces):
         q = q_ref[...]  # [group * new_tokens, head_dim]
         k = jnp.concatenate([r[...] for r in k_refs]) if pieces > 1 else k_refs[0][...]  # [BLOCK_KV, head_dim]
         v = jnp.concatenate([r[...] for r in v_refs]) if pieces > 1 else v_refs[0][...]
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # (an FP8 cache's e4m3, exactly)
         shape = (group * new_tokens, BLOCK_KV)
         row = lax.broadcasted_iota(jnp.int32, shape, 0)
         q_idx = seq_len - back + jnp.minimum(row % new_tokens, back - 1)  # (rows past the slot's tokens: its last)
@@ -309,6 +313,7 @@ def _decode_kernel(*refs, group, new_tokens, capacity, pieces):
 
     @pl.when(kv_block == pl.num_programs(2) - 1)
     def _finalize():
+        acc_scratch[...] = acc_scratch[...] * descale_ref[descale + 1]
         _write_rows(o_ref, lse_ref, m_scratch, l_scratch, acc_scratch)
 
 
@@ -327,8 +332,8 @@ def _decode_specs(group, new_tokens, capacity, page_size, num_pages):
 
     def visited(slot, h_kv, kv_block, refs):
         """The slot's sequence, and the kv block step kv_block fetches (see _clamp_block)."""
-        _, params = _read_params(*refs[:-5])
-        b, _, _, _, kv_lo, kv_hi, _, _ = _decode_cache_bounds(slot, h_kv, refs[-5:-1], capacity, group, new_tokens, *params)
+        _, params = _read_params(*refs[:-6])
+        b, _, _, _, kv_lo, kv_hi, _, _ = _decode_cache_bounds(slot, h_kv, refs[-6:-2], capacity, group, new_tokens, *params)
         return b, _clamp_block(kv_block, kv_lo, kv_hi, num_blocks)
 
     def piece(j):
@@ -376,8 +381,8 @@ def _decode(q, k_cache, v_cache, prefetch, gathered, new_tokens, interpret):
     """(out, lse) of the slots' new tokens q [slots, kv_heads, group x new_tokens, D] (_slots) against
     a KV cache (see attention_with_kvcache), shaped as q's rows ([..., HEAD_DIM_V] and [...]);
     prefetch ends with the cache lengths, the sequences' first rows (cache_leftpad), the slots'
-    sequences and backs, and the block table ([batch, max_pages]; contiguous caches: a placeholder of
-    one dimension)."""
+    sequences and backs, the descale factors (_descales) and the block table ([batch, max_pages];
+    contiguous caches: a placeholder of one dimension)."""
     slots, kv_heads, rows, _ = q.shape
     page_size = k_cache.shape[2]
     group = rows // new_tokens
@@ -489,7 +494,8 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seql
 
 def attention_with_kvcache(
     q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, cu_seqlens_q=None,
-    max_seqlen_q=None, scale=None, return_lse=False, interpret=False, layout="bhsd", **params
+    max_seqlen_q=None, k_descale=None, v_descale=None, scale=None, return_lse=False, interpret=False, layout="bhsd",
+    **params
 ):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `causal`; inference only (not differentiable).
@@ -503,6 +509,7 @@ def attention_with_kvcache(
         q: [batch, heads, T, 128] jnp.bfloat16, the T new tokens of each sequence.
         k_cache: [batch, kv_heads, max_len, 128], or paged: [num_pages, kv_heads, page_size, 128]
             with block_table; kv_heads divides heads (query head h reads kv head h // (heads // kv_heads)).
+            jnp.bfloat16, or an FP8 cache (jnp.float8_e4m3fn) read through k_descale and v_descale.
         v_cache: like k_cache, 128 wide.
         cache_seqlens: int32 [batch], each sequence's length in the cache (the new tokens included),
             or an int, every sequence's; clamped into [0, capacity]. A sequence shorter than T leaves
@@ -523,6 +530,9 @@ def attention_with_kvcache(
             d]; the output is [total_q, heads, d] and the LSE [heads, total_q], whatever the layout.
         max_seqlen_q: the most new tokens of a sequence (with cu_seqlens_q): sizes the tiles, not what
             is computed; pass it under jit. Default: read from concrete cu_seqlens_q, else total_q.
+        k_descale, v_descale: what the cache's keys and values are multiplied by (FlashAttention-3's,
+            vLLM's k_scale and v_scale of an FP8 cache): one number, or float32 [batch, kv_heads];
+            None is 1. k's scales q.k (before `scale`), v's the output.
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
         layout: "bhsd" (the shapes above) or "bshd", FlashAttention's: q [batch, T, heads, d], caches
@@ -550,6 +560,7 @@ def attention_with_kvcache(
         k_cache, v_cache, cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
     capacity = block_table.shape[1] * k_cache.shape[2] if block_table is not None else k_cache.shape[2]
     prefetch, scalar_values, tensors = _prefetched(params, scale)
+    descales = _descales(batch, k_cache.shape[1], k_descale, v_descale)
     if q.size == 0 or capacity == 0:
         out = jnp.zeros((*q.shape[:-1], HEAD_DIM_V), q.dtype)
         lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
@@ -558,7 +569,7 @@ def attention_with_kvcache(
         sequence, back, rows, unpack = _slots(q, kv_heads, cu_seqlens_q, new_tokens)
         table = block_table if block_table is not None else jnp.zeros((1,), jnp.int32)  # (unread without pages)
         starts = jnp.zeros((batch,), jnp.int32) if cache_leftpad is None else cache_leftpad
-        prefetch = (*prefetch, cache_seqlens, starts, sequence, back, table)
+        prefetch = (*prefetch, cache_seqlens, starts, sequence, back, descales, table)
         gathered = ()
         out, lse = (unpack(x) for x in _decode(rows, k_cache, v_cache, prefetch, gathered, new_tokens, interpret))
     if cu_seqlens_q is not None:  # rows [total_q, heads]; the LSE as FlashAttention's varlen kernels give it
@@ -581,6 +592,18 @@ def _ragged_tokens(cu_seqlens_q, total_q):
     if first != 0 or last != total_q or shortest < 0:
         raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at {total_q}, the packed length of q")
     return longest
+
+
+def _descales(batch, kv_heads, k_descale, v_descale):
+    """The decode kernel's descale factors, float32 [batch x kv_heads x 2] (flat, for scalar memory):
+    k's and v's for each (sequence, kv head); each one number or [batch, kv_heads], None 1."""
+    factors = []
+    for name, value in (("k_descale", k_descale), ("v_descale", v_descale)):
+        value = jnp.asarray(1.0 if value is None else value, jnp.float32)
+        if value.size != 1 and value.shape != (batch, kv_heads):
+            raise ValueError(f"{name} must be one number or [batch, kv_heads] = [{batch}, {kv_heads}], got {list(value.shape)}")
+        factors.append(jnp.broadcast_to(value.reshape(() if value.size == 1 else (batch, kv_heads)), (batch, kv_heads)))
+    return jnp.stack(factors, axis=-1).reshape(-1)
 
 
 def _token_sequences(cu_seqlens_q, total_q):
@@ -908,10 +931,13 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpa
         dims = 3 if name == "q" and cu_seqlens_q is not None else 4
         if getattr(t, "ndim", None) != dims:
             raise ValueError(f"{name} must be a {dims}-D array" + (" [total_q, heads, head_dim] (with cu_seqlens_q)" if dims == 3 else ""))
-        if t.dtype != DTYPE:
-            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
+        if t.dtype != DTYPE and not (name != "q" and t.dtype == jnp.float8_e4m3fn):
+            also = "" if name == "q" else " or an FP8 cache's float8_e4m3fn"
+            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype){also}")
         if t.shape[-1] != (HEAD_DIM_V if name == "v_cache" else HEAD_DIM):
             raise ValueError(f"{name} has head_dim {t.shape[-1]}; this kernel was generated for {HEAD_DIM_V if name == 'v_cache' else HEAD_DIM}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype} and v_cache {v_cache.dtype}: caches of one dtype")
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
         raise ValueError(
             f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"

@@ -755,7 +755,8 @@ def _decode_kv_blocks(
     BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
 ):
     """Online softmax over a run of cached kv blocks; MASKED runs the mask (PARTIAL tiles). The
-    sequence's keys are the cache's rows start .. end - 1, the spec's positions counted from start."""
+    sequence's keys are the cache's rows start .. end - 1, the spec's positions counted from start.
+    An FP8 cache's keys and values are widened to q's dtype (exactly: e4m3 is a subset of it)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -787,7 +788,7 @@ def _decode_kv_blocks(
         k_rows = K + page * k_stride_page + h_kv * k_stride_head + row * k_stride_row
         v_rows = V + page * v_stride_page + h_kv * v_stride_head + row * v_stride_row
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=in_cache[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)))  # [BLOCK_M, BLOCK_N], fp32
         kv_idx = (kv_pos - start)[None, :]
         x = _logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_seg_q, param_seg_q_size0, param_seg_q_size1, param_seg_kv, param_seg_kv_size0, param_seg_kv_size1)
         if MASKED:
@@ -800,7 +801,7 @@ def _decode_kv_blocks(
         alpha = _exp_shifted(m_i, m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=in_cache[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
 
@@ -834,14 +835,15 @@ def _decode_rows(r, b, h_kv, q_start, tokens, num_heads, GROUP: tl.constexpr, RA
 
 @triton.jit(do_not_specialize=["batch", "new_tokens", "capacity", "num_pages"])
 def _decode_fwd(
-    Q, K, V, O, LSE, O_PARTS, LSE_PARTS, SPLITS_DONE, CACHE_SEQLENS, CACHE_LEFTPAD, BLOCK_TABLE, CU_SEQLENS_Q,
+    Q, K, V, O, LSE, O_PARTS, LSE_PARTS, SPLITS_DONE, CACHE_SEQLENS, CACHE_LEFTPAD, BLOCK_TABLE, CU_SEQLENS_Q, KV_DESCALE,
     num_heads, batch, new_tokens, capacity, num_pages, table_stride, k_stride_page, k_stride_head,
     k_stride_row, v_stride_page, v_stride_head, v_stride_row, q_stride_b, q_stride_h, q_stride_t, scale,
     param_seg_q, param_seg_q_size0, param_seg_q_size1, param_seg_kv, param_seg_kv_size0,
     param_seg_kv_size1,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, LEFTPAD: tl.constexpr, RAGGED: tl.constexpr, SPLIT: tl.constexpr,
-    MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, LEFTPAD: tl.constexpr, RAGGED: tl.constexpr, DESCALED: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
 ):
     """The new tokens of one sequence and every query head of one kv head (rows: head-major), against
     one split of the cached keys. SPLIT: write this split's normalised output and LSE (float32), and
@@ -909,6 +911,8 @@ def _decode_fwd(
     # q read in place through its strides (a view of a fused projection, FlashAttention's layout)
     q_rows = b.to(tl.int64) * q_stride_b + h * q_stride_h + (q_start + r % tokens)[:, None] * q_stride_t
     q = tl.load(Q + q_rows + offs_d[None, :], mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    if DESCALED:  # KV_DESCALE [batch, kv_heads, 2] (an FP8 cache's): k's factor scales q.k, v's the output
+        scale = scale * tl.load(KV_DESCALE + (b * kv_heads + h_kv) * 2)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -936,6 +940,8 @@ def _decode_fwd(
 
     # A row with no visible key (in this split) has l = 0 and acc = 0: output 0, LSE -inf.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if DESCALED:
+        out = out * tl.load(KV_DESCALE + (b * kv_heads + h_kv) * 2 + 1)
     lse = _lse(m_i, l_i)
     out_rows = _decode_rows(r, b, h_kv, q_start, tokens, num_heads, GROUP, RAGGED)
     store = row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
@@ -1046,11 +1052,11 @@ class _DecodeLaunch(NamedTuple):
     constants: dict  # the kernel's constexprs, num_warps and num_stages
 
 
-def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None, max_tokens=None):
+def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None, max_tokens=None, descaled=False):
     """The decode kernel's grid and constants for new tokens q [B, H, T, D] against k_cache: each kv
     head's query rows packed into tiles (_packed_rows), the keys of a tile walked in num_splits
     splits (default: _decode_splits' rule), DECODE_LONG_BLOCK_N keys a step where _long_splits says;
-    leftpad: whether cache_leftpad is given. Ragged (q packed [total_q, H, D] by the cu_seqlens_q of
+    leftpad, descaled: whether cache_leftpad, descale factors are given. Ragged (q packed [total_q, H, D] by the cu_seqlens_q of
     `sequences` sequences): tiles sized for max_tokens new tokens a sequence (default: total_q), in
     the slots _decode_fwd lays out. Shapes and the device settle them, so a call has them before
     anything runs."""
@@ -1084,7 +1090,7 @@ def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None,
         stages = DECODE_NUM_STAGES_PAGED
     constants = dict(
         GROUP=group, PAGE_SIZE=page_size if paged else 0, LEFTPAD=leftpad, RAGGED=sequences is not None,
-        SPLIT=num_splits > 1, MERGE_M=merge_m, MERGE_SPLITS=merge_splits, BLOCK_M=block_m, BLOCK_N=block_n,
+        DESCALED=descaled, SPLIT=num_splits > 1, MERGE_M=merge_m, MERGE_SPLITS=merge_splits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
         num_warps=warps, num_stages=stages,
     )
@@ -1093,11 +1099,12 @@ def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None,
 
 @_on_their_device
 def _decode(
-    q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, cu_seqlens_q, scale, params, launch, workspace, return_lse
+    q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, cu_seqlens_q, descale, scale, params, launch, workspace,
+    return_lse,
 ):
     """(out, lse) of the new tokens q [B, H, T, D] (or packed [total_q, H, D] by cu_seqlens_q)
-    against a KV cache (see attention_with_kvcache), launched as `launch` (_decode_launch) says; out
-    and lse are shaped as q's rows. The splits' partial outputs, and the LSE where the caller does not
+    against a KV cache (see attention_with_kvcache; descale: _fp8_descales' or None), launched as
+    `launch` (_decode_launch) says; out and lse are shaped as q's rows. The splits' partial outputs, and the LSE where the caller does not
     take it, go to scratch kept per stream (_stream_buffer)."""
     params = _kernel_params(params)
     if cu_seqlens_q is None:
@@ -1126,9 +1133,10 @@ def _decode(
     # (a packed q's token axis read as its sequences' T axis)
     q_strides = q.stride()[:3] if cu_seqlens_q is None else (0, q.stride(1), q.stride(0))
     offsets = cache_seqlens if cu_seqlens_q is None else cu_seqlens_q  # (unread when uniform)
+    descale = lse if descale is None else descale  # (unread without)
     _launch(
         _decode_fwd, launch.grid,
-        q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done, cache_seqlens, leftpad, table, offsets, heads,
+        q, k_cache, v_cache, out, lse, parts, lse_parts, splits_done, cache_seqlens, leftpad, table, offsets, descale, heads,
         batch, new_tokens, launch.capacity, k_cache.shape[0], table.stride(0), *k_cache.stride()[:3],
         *v_cache.stride()[:3], *q_strides, scale, *params,
         **launch.constants,
@@ -1239,7 +1247,8 @@ def _merge_chunk(tile_rows, num_splits):
 
 def attention_with_kvcache(
     q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_leftpad=None, cu_seqlens_q=None,
-    max_seqlen_q=None, scale=None, return_lse=False, num_splits=None, workspace=None, layout="bhsd", **params
+    max_seqlen_q=None, k_descale=None, v_descale=None, scale=None, return_lse=False, num_splits=None, workspace=None,
+    layout="bhsd", **params
 ):
     """Attention of the newest tokens of each sequence against its KV cache (decoding, speculative
     tokens, chunked prefill), for spec `document`; inference only (no autograd).
@@ -1253,6 +1262,8 @@ def attention_with_kvcache(
         q: [batch, heads, T, 128] torch.bfloat16, the T new tokens of each sequence.
         k_cache: [batch, kv_heads, max_len, 128], or paged: [num_pages, kv_heads, page_size, 128]
             with block_table; kv_heads divides heads (query head h reads kv head h // (heads // kv_heads)).
+            torch.bfloat16, or an FP8 cache (torch.float8_e4m3fn, sm_89+ GPUs) read through
+            k_descale and v_descale.
         v_cache: like k_cache, 128 wide.
         cache_seqlens: int32 [batch], each sequence's length in the cache (the new tokens included),
             or an int, every sequence's; clamped into [0, capacity]. A sequence shorter than T leaves
@@ -1270,11 +1281,14 @@ def attention_with_kvcache(
             of new tokens each sequence, packed end to end: q [total_q, heads, d], sequence b's tokens
             cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 (0 first, total_q last; checked, one host
             synchronisation per offsets tensor while it is unchanged, except under CUDA-graph
-            capture, where the kernel clamps them into q). k
-            and v are packed alike, [total_q, kv_heads, d]; the output is [total_q, heads, d] and the
-            LSE [heads, total_q], whatever the layout.
+            capture, where the kernel clamps them into q). k and v are packed alike, [total_q,
+            kv_heads, d]; the output is [total_q, heads, d] and the LSE [heads, total_q], whatever
+            the layout.
         max_seqlen_q: the most new tokens of a sequence (with cu_seqlens_q): sizes the tiles, not what
             is computed. Default: read from cu_seqlens_q where they are checked, else total_q.
+        k_descale, v_descale: what the cache's keys and values are multiplied by (FlashAttention-3's,
+            vLLM's k_scale and v_scale of an FP8 cache): one number, or float32 [batch, kv_heads];
+            None is 1. k's scales q.k (before `scale`), v's the output.
         scale: multiplies q.k before the score expression; default 1/sqrt(head_dim).
         return_lse: also return the natural-log log-sum-exp, [batch, heads, T] float32.
         layout: "bhsd" (the shapes above) or "bshd", FlashAttention's: q [batch, T, heads, d], caches
@@ -1302,13 +1316,20 @@ def attention_with_kvcache(
     scalars, tensors = _check_params(params, q, sizes)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if k_cache.dtype == torch.float8_e4m3fn and q.is_cuda and (torch.version.hip or torch.cuda.get_device_capability(q.device) < (8, 9)):
+        raise RuntimeError(f"FP8 caches need an NVIDIA GPU of sm_89 or newer (e4m3 conversions); q is on {torch.cuda.get_device_name(q.device)}")
+    descale = None
+    if k_descale is not None or v_descale is not None:
+        descale = _fp8_descales(q.device, batch, k_cache.shape[1], None, k_descale, v_descale)
     if cu_seqlens_q is not None:
         if max_seqlen_q is not None and not (isinstance(max_seqlen_q, int) and max_seqlen_q >= 1):
             raise ValueError(f"max_seqlen_q must be a positive int or None, got {max_seqlen_q!r}")
         cu_seqlens_q = cu_seqlens_q.contiguous()
         max_seqlen_q = _ragged_tokens(cu_seqlens_q, q.shape[0]) or max_seqlen_q
     sequences = None if cu_seqlens_q is None else batch
-    launch = _decode_launch(q, k_cache, block_table, cache_leftpad is not None, num_splits, sequences, max_seqlen_q)
+    launch = _decode_launch(
+        q, k_cache, block_table, cache_leftpad is not None, num_splits, sequences, max_seqlen_q, descale is not None
+    )
     if workspace is not None:
         _check_workspace(workspace, q.device, launch.grid[1] * launch.grid[2])
     cache_seqlens = _cache_seqlens(cache_seqlens, q, batch)
@@ -1318,7 +1339,7 @@ def attention_with_kvcache(
         scale = 1.0 / math.sqrt(HEAD_DIM)
     out, lse = _decode(
         q, k_cache, v_cache, cache_seqlens, None if cache_leftpad is None else cache_leftpad.contiguous(), block_table,
-        cu_seqlens_q, float(scale), [*scalars.values(), *tensors.values()], launch, workspace, return_lse,
+        cu_seqlens_q, descale, float(scale), [*scalars.values(), *tensors.values()], launch, workspace, return_lse,
     )
     if cu_seqlens_q is not None:  # rows [total_q, heads]; the LSE as FlashAttention's varlen kernels give it
         lse = lse.t().contiguous() if return_lse else lse
@@ -3056,25 +3077,25 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, sc
     scale, params = _checked_scale_and_params(q, k, v, scale, params, torch.float8_e4m3fn)
     if not scale >= 0:
         raise ValueError(f"attention_fp8 takes scale >= 0, got {scale}")
-    out, lse = _forward(q, k, v, scale, params, _fp8_descales(q, k, q_descale, k_descale, v_descale))
+    out, lse = _forward(q, k, v, scale, params, _fp8_descales(q.device, *k.shape[:2], q_descale, k_descale, v_descale))
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
 
 
-def _fp8_descales(q, k, q_descale, k_descale, v_descale):
-    """The kernel's DESCALE, float32 [batch, kv_heads, 2]: q's descale times k's, and v's."""
-    batch, kv_heads = k.shape[:2]
+def _fp8_descales(device, batch, kv_heads, q_descale, k_descale, v_descale):
+    """The kernels' DESCALE, float32 [batch, kv_heads, 2]: q's descale times k's, and v's (each per
+    tensor or [batch, kv_heads]; None is 1)."""
     factors = []
     for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if value is None:
             value = 1.0
         if isinstance(value, torch.Tensor):
-            if value.device != q.device:
-                raise ValueError(f"{name} is on {value.device}, q on {q.device}")
+            if value.device != device:
+                raise ValueError(f"{name} is on {value.device}, q on {device}")
             if value.numel() != 1 and tuple(value.shape) != (batch, kv_heads):
                 raise ValueError(f"{name} must be one number or [batch, kv_heads] = [{batch}, {kv_heads}], got {list(value.shape)}")
             value = value.float().reshape(() if value.numel() == 1 else (batch, kv_heads))
-        factors.append(torch.as_tensor(value, dtype=torch.float32, device=q.device).expand(batch, kv_heads))
+        factors.append(torch.as_tensor(value, dtype=torch.float32, device=device).expand(batch, kv_heads))
     q_descale, k_descale, v_descale = factors
     return torch.stack((q_descale * k_descale, v_descale), dim=-1)
 
@@ -3235,8 +3256,9 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpa
         dims = 3 if name == "q" and cu_seqlens_q is not None else 4
         if not isinstance(t, torch.Tensor) or t.dim() != dims:
             raise ValueError(f"{name} must be a {dims}-D torch tensor" + (" [total_q, heads, head_dim] (with cu_seqlens_q)" if dims == 3 else ""))
-        if t.dtype != DTYPE:
-            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype)")
+        if t.dtype != DTYPE and not (name != "q" and t.dtype == torch.float8_e4m3fn):
+            also = "" if name == "q" else " or an FP8 cache's float8_e4m3fn"
+            raise TypeError(f"{name} is {t.dtype}; this kernel was generated for {DTYPE} (the spec's dtype){also}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
         if t.shape[-1] != (HEAD_DIM_V if name == "v_cache" else HEAD_DIM):
@@ -3244,6 +3266,8 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpa
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(t.stride())}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype} and v_cache {v_cache.dtype}: caches of one dtype")
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
         raise ValueError(
             f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
