@@ -51,6 +51,8 @@ def example_params(spec_name: str, batch: int, heads: int, q_len: int, kv_len: i
                 *(varlen_params(*random_cu_seqlens(rng, q_len, kv_len)).values() for _ in range(batch)),
             )
         },
+        # Five draft tokens in a random tree each sequence (a parent before its child): ancestors and self.
+        "tree_verify": lambda: {"tree": np.stack([draft_tree(rng, 5) for _ in range(batch)]), "drafts": 5},
         # Sorted ids: packed documents of random lengths (a query may start a document its keys lack).
         "document": lambda: {
             "seg_q": np.sort(rng.integers(0, 4, (batch, q_len)), axis=1).astype(np.int32),
@@ -58,6 +60,22 @@ def example_params(spec_name: str, batch: int, heads: int, q_len: int, kv_len: i
         },
     }
     return examples[spec_name]() if spec_name in examples else {}
+
+
+def draft_tree(rng, drafts: int) -> np.ndarray:
+    """A random tree of draft tokens (speculative decoding) as specs/tree_verify.toml's `tree`.
+
+    Args:
+        rng: A numpy Generator.
+        drafts: Number of draft tokens; token i's parent is one of tokens 0 .. i - 1 (0 is the root).
+
+    Returns:
+        [drafts, drafts] bool: [i, j] whether draft j is i or one of its ancestors.
+    """
+    tree = np.eye(drafts, dtype=bool)
+    for i in range(1, drafts):
+        tree[i] |= tree[rng.integers(0, i)]
+    return tree
 
 
 def random_cu_seqlens(rng, q_len: int, kv_len: int, count: int = 4) -> tuple[np.ndarray, np.ndarray]:

@@ -38,6 +38,7 @@ SPECS = [
     "value_dim",
     "score_cutoff",
     "sinks",
+    "tree_verify",
 ]
 
 
@@ -443,6 +444,41 @@ def test_descale_factors_and_cache_dtypes_are_checked():
         module.attention_with_kvcache(q.to(torch.float8_e4m3fn), cache, cache, lens)
     out = module.attention_with_kvcache(q, cache, cache, lens, k_descale=0.5, v_descale=torch.full((2, 2), 2.0))
     assert out.shape == (2, 4, 1, 32) and out.dtype == torch.bfloat16  # the unchanged inputs run
+
+
+@pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
+def test_tree_verification_sees_the_prefix_and_each_drafts_ancestors(target):
+    """specs/tree_verify.toml, against its definition: draft token i of a tree attends to the tokens
+    before the drafts and to its ancestors (and itself), as a causal attention over a cache holding
+    just those, its own key last."""
+    from attngen.testing import draft_tree
+
+    rng = np.random.default_rng(11)
+    drafts, prefix, kv_heads, heads = 6, 70, 2, 4
+    tree = draft_tree(rng, drafts)
+    k, v = (rng.standard_normal((1, kv_heads, prefix + drafts, 32)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, heads, drafts, 32)).astype(np.float32)
+    lens = np.array([prefix + drafts], np.int32)
+    params = {"tree": tree[None], "drafts": drafts}
+    spec = retarget(load_spec("specs/tree_verify.toml"), 32, "float32")
+    out, _ = _run(target, spec, "float32", q, k, v, lens, None, None, None, params)
+    causal = retarget(load_spec("specs/causal.toml"), 32, "float32")
+    for i in range(drafts):
+        seen = np.concatenate([np.arange(prefix), prefix + np.flatnonzero(tree[i])])  # i itself last
+        one, _ = _run(
+            target,
+            causal,
+            "float32",
+            q[:, :, i : i + 1],
+            k[:, :, seen],
+            v[:, :, seen],
+            np.array([len(seen)], np.int32),
+            None,
+            None,
+            None,
+            {},
+        )
+        np.testing.assert_allclose(out[:, :, i], one[:, :, 0], atol=2e-6, rtol=0)
 
 
 def test_a_split_of_no_keys_merges_to_nothing():
