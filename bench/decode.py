@@ -288,23 +288,28 @@ def measure(module, flex, args, head_dim, length, generator):
             ok = judge("bfloat16", {"out": err}, {"out": base}).ok if judged else None
             row["impls"][name] = {"error": err, "exact": ok, "host_us": host_time(fn)}
             calls[name] = fn
-
-        def failed(name, e, key, row=row):
-            row["impls"][name][key] = _first_line(e)
-
-        # Timed in rounds of alternating order (attngen.timing), eager and replayed from CUDA graphs.
-        eager = {name: functools.partial(median_ms, fn) for name, fn in calls.items()}
-        for name, ms in medians(eager, failed=functools.partial(failed, key="timing_error")).items():
-            row["impls"][name].update(ms=ms, gb_s=bytes_read / ms / 1e6)
-        replays = {}
-        for name, fn in calls.items():
-            try:
-                replays[name] = functools.partial(median_ms, graphed(fn))
-            except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture)
-                failed(name, e, "graph_error")
-        for name, ms in medians(replays, failed=functools.partial(failed, key="graph_error")).items():
-            row["impls"][name]["graph_gb_s"] = bytes_read / ms / 1e6
+        time_calls(calls, row["impls"], bytes_read)
         yield row
+
+
+def time_calls(calls, results, bytes_read):
+    """Each call timed in rounds of alternating order (attngen.timing), eager and replayed from a CUDA
+    graph, into results[name]: ms, gb_s and graph_gb_s (bytes_read a call); a failure, noted there."""
+
+    def failed(name, e, key):
+        results[name][key] = _first_line(e)
+
+    eager = {name: functools.partial(median_ms, fn) for name, fn in calls.items()}
+    for name, ms in medians(eager, failed=functools.partial(failed, key="timing_error")).items():
+        results[name].update(ms=ms, gb_s=bytes_read / ms / 1e6)
+    replays = {}
+    for name, fn in calls.items():
+        try:
+            replays[name] = functools.partial(median_ms, graphed(fn))
+        except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture)
+            failed(name, e, "graph_error")
+    for name, ms in medians(replays, failed=functools.partial(failed, key="graph_error")).items():
+        results[name]["graph_gb_s"] = bytes_read / ms / 1e6
 
 
 def _first_line(e: Exception) -> str:

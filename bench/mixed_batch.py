@@ -19,7 +19,6 @@ Prints a table last; writes results.json to $OUT (or ./bench-out).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 import triton
-from decode import _first_line, _sdpa, copy_bandwidth, graphed, host_time, paged, reference
+from decode import _first_line, _sdpa, copy_bandwidth, host_time, paged, reference, time_calls
 from torch.nn.attention import SDPBackend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 from attngen.build import import_generated, write_package
 from attngen.exactness import judge
 from attngen.spec import load_spec
-from attngen.timing import median_ms, medians
 
 PAGE = 16
 
@@ -156,21 +154,7 @@ def measure(module, args, head_dim, length, generator):
                 verdicts.append(judge("bfloat16", {"out": err}, {"out": baseline}).ok)
         row["impls"][name] = {"exact": all(verdicts), "host_us": host_time(fn)}
         timed[name] = fn
-
-    def failed(name, e, key):
-        row["impls"][name][key] = _first_line(e)
-
-    eager = {name: functools.partial(median_ms, fn) for name, fn in timed.items()}
-    for name, ms in medians(eager, failed=functools.partial(failed, key="timing_error")).items():
-        row["impls"][name].update(ms=ms, gb_s=bytes_read / ms / 1e6)
-    replays = {}
-    for name, fn in timed.items():
-        try:
-            replays[name] = functools.partial(median_ms, graphed(fn))
-        except Exception as e:  # noqa: BLE001  (a call that a CUDA graph cannot capture)
-            failed(name, e, "graph_error")
-    for name, ms in medians(replays, failed=functools.partial(failed, key="graph_error")).items():
-        row["impls"][name]["graph_gb_s"] = bytes_read / ms / 1e6
+    time_calls(timed, row["impls"], bytes_read)
     return row
 
 
