@@ -1061,10 +1061,10 @@ def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None,
     """The decode kernel's grid and constants for new tokens q [B, H, T, D] against k_cache: each kv
     head's query rows packed into tiles (_packed_rows), the keys of a tile walked in num_splits
     splits (default: _decode_splits' rule), DECODE_LONG_BLOCK_N keys a step where _long_splits says;
-    leftpad, descaled: whether cache_leftpad, descale factors are given. Ragged (q packed [total_q, H, D] by the cu_seqlens_q of
-    `sequences` sequences): tiles sized for max_tokens new tokens a sequence (default: total_q), in
-    the slots _decode_fwd lays out. Shapes and the device settle them, so a call has them before
-    anything runs."""
+    leftpad, descaled: whether cache_leftpad, descale factors are given. Ragged (q packed [total_q,
+    H, D] by the cu_seqlens_q of `sequences` sequences): tiles sized for max_tokens new tokens a
+    sequence (default: total_q), in the slots _decode_fwd lays out. Shapes and the device settle
+    them, so a call has them before anything runs."""
     heads = q.shape[1]
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     group, paged = heads // kv_heads, block_table is not None
@@ -1095,8 +1095,8 @@ def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None,
         stages = DECODE_NUM_STAGES_PAGED
     constants = dict(
         GROUP=group, PAGE_SIZE=page_size if paged else 0, LEFTPAD=leftpad, RAGGED=sequences is not None,
-        DESCALED=descaled, SPLIT=num_splits > 1, MERGE_M=merge_m, MERGE_SPLITS=merge_splits, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+        DESCALED=descaled, SPLIT=num_splits > 1, MERGE_M=merge_m, MERGE_SPLITS=merge_splits, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
         num_warps=warps, num_stages=stages,
     )
     return _DecodeLaunch((num_splits, *tile_grid), capacity, constants)
@@ -1109,8 +1109,8 @@ def _decode(
 ):
     """(out, lse) of the new tokens q [B, H, T, D] (or packed [total_q, H, D] by cu_seqlens_q)
     against a KV cache (see attention_with_kvcache; descale: _fp8_descales' or None), launched as
-    `launch` (_decode_launch) says; out and lse are shaped as q's rows. The splits' partial outputs, and the LSE where the caller does not
-    take it, go to scratch kept per stream (_stream_buffer)."""
+    `launch` (_decode_launch) says; out and lse are shaped as q's rows. The splits' partial outputs,
+    and the LSE where the caller does not take it, go to scratch kept per stream (_stream_buffer)."""
     params = _kernel_params(params)
     if cu_seqlens_q is None:
         batch, heads, new_tokens, _ = q.shape
@@ -1319,8 +1319,10 @@ def attention_with_kvcache(
     scalars, tensors = _check_params(params, q, sizes)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    if k_cache.dtype == torch.float8_e4m3fn and q.is_cuda and (torch.version.hip or torch.cuda.get_device_capability(q.device) < (8, 9)):
-        raise RuntimeError(f"FP8 caches need an NVIDIA GPU of sm_89 or newer (e4m3 conversions); q is on {torch.cuda.get_device_name(q.device)}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and q.is_cuda and (torch.version.hip or torch.cuda.get_device_capability(q.device) < (8, 9)):
+        gpu = torch.cuda.get_device_name(q.device)
+        raise RuntimeError(f"FP8 caches need an NVIDIA GPU of sm_89 or newer (e4m3 conversions); q is on {gpu}")
     descale = None
     if k_descale is not None or v_descale is not None:
         descale = _fp8_descales(q.device, batch, k_cache.shape[1], None, k_descale, v_descale)

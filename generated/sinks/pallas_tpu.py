@@ -476,7 +476,8 @@ def _slots(q, kv_heads, cu_seqlens_q, new_tokens):
     if cu_seqlens_q is None:
         batch, heads, tokens, dim = q.shape
         unpack = lambda rows: rows.reshape(batch, heads, tokens, *rows.shape[3:])
-        return jnp.arange(batch), jnp.full((batch,), tokens, jnp.int32), q.reshape(batch, kv_heads, group * tokens, dim), unpack
+        rows = q.reshape(batch, kv_heads, group * tokens, dim)
+        return jnp.arange(batch), jnp.full((batch,), tokens, jnp.int32), rows, unpack
     (total_q, heads, dim), batch = q.shape, cu_seqlens_q.shape[0] - 1
     cu = jnp.clip(cu_seqlens_q, 0, total_q)
     lengths = jnp.maximum(cu[1:] - cu[:-1], 0)
@@ -612,7 +613,10 @@ def attention_with_kvcache(
     if q.size == 0 or capacity == 0:
         out = jnp.zeros((*q.shape[:-1], HEAD_DIM_V), q.dtype)
         sink = _sink_values(batch, q.shape[1], prefetch)  # no key: the sink
-        lse = jnp.broadcast_to(sink[..., None], q.shape[:3]) if cu_seqlens_q is None else sink[_token_sequences(cu_seqlens_q, q.shape[0])]
+        if cu_seqlens_q is None:
+            lse = jnp.broadcast_to(sink[..., None], q.shape[:3])
+        else:
+            lse = sink[_token_sequences(cu_seqlens_q, q.shape[0])]
     else:
         kv_heads = k_cache.shape[1]
         sequence, back, rows, unpack = _slots(q, kv_heads, cu_seqlens_q, new_tokens)
@@ -637,7 +641,8 @@ def _ragged_tokens(cu_seqlens_q, total_q):
     if isinstance(cu_seqlens_q, jax.core.Tracer):
         return None
     lengths = jnp.diff(cu_seqlens_q)
-    first, last, shortest, longest = (int(x) for x in (cu_seqlens_q[0], cu_seqlens_q[-1], lengths.min(initial=0), lengths.max(initial=0)))
+    extremes = (cu_seqlens_q[0], cu_seqlens_q[-1], lengths.min(initial=0), lengths.max(initial=0))
+    first, last, shortest, longest = (int(x) for x in extremes)
     if first != 0 or last != total_q or shortest < 0:
         raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at {total_q}, the packed length of q")
     return longest

@@ -431,7 +431,8 @@ def _slots(q, kv_heads, cu_seqlens_q, new_tokens):
     if cu_seqlens_q is None:
         batch, heads, tokens, dim = q.shape
         unpack = lambda rows: rows.reshape(batch, heads, tokens, *rows.shape[3:])
-        return jnp.arange(batch), jnp.full((batch,), tokens, jnp.int32), q.reshape(batch, kv_heads, group * tokens, dim), unpack
+        rows = q.reshape(batch, kv_heads, group * tokens, dim)
+        return jnp.arange(batch), jnp.full((batch,), tokens, jnp.int32), rows, unpack
     (total_q, heads, dim), batch = q.shape, cu_seqlens_q.shape[0] - 1
     cu = jnp.clip(cu_seqlens_q, 0, total_q)
     lengths = jnp.maximum(cu[1:] - cu[:-1], 0)
@@ -588,7 +589,8 @@ def _ragged_tokens(cu_seqlens_q, total_q):
     if isinstance(cu_seqlens_q, jax.core.Tracer):
         return None
     lengths = jnp.diff(cu_seqlens_q)
-    first, last, shortest, longest = (int(x) for x in (cu_seqlens_q[0], cu_seqlens_q[-1], lengths.min(initial=0), lengths.max(initial=0)))
+    extremes = (cu_seqlens_q[0], cu_seqlens_q[-1], lengths.min(initial=0), lengths.max(initial=0))
+    first, last, shortest, longest = (int(x) for x in extremes)
     if first != 0 or last != total_q or shortest < 0:
         raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at {total_q}, the packed length of q")
     return longest
