@@ -481,6 +481,45 @@ def test_tree_verification_sees_the_prefix_and_each_drafts_ancestors(target):
         np.testing.assert_allclose(out[:, :, i], one[:, :, 0], atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
+def test_a_shared_prefix_is_attended_once_for_every_sequence_then_merged(target):
+    """Cascade attention (FlashInfer's, for a system prompt every request shares): the new tokens of
+    every request against the shared prefix as one sequence of spec full (the prefix precedes them
+    all), each request against its own suffix with spec causal (positions counted from the suffix:
+    causal is shift-invariant), and merge_partials: the same as causal over prefix and suffix."""
+    rng = np.random.default_rng(12)
+    batch, heads, kv_heads, tokens, prefix, most = 3, 4, 2, 2, 70, 40
+    suffix_lens = np.array([5, 40, 12], np.int32)  # the new tokens last
+    q = rng.standard_normal((batch, heads, tokens, 32)).astype(np.float32)
+    shared_k, shared_v = (rng.standard_normal((1, kv_heads, prefix, 32)).astype(np.float32) for _ in range(2))
+    own_k, own_v = (rng.standard_normal((batch, kv_heads, most, 32)).astype(np.float32) for _ in range(2))
+    full, causal = (retarget(load_spec(f"specs/{name}.toml"), 32, "float32") for name in ("full", "causal"))
+    # One call over each whole sequence: the prefix, then the request's own keys.
+    whole = [
+        np.concatenate([np.repeat(shared, batch, 0), own], axis=2)
+        for shared, own in ((shared_k, own_k), (shared_v, own_v))
+    ]
+    want, _ = _run(target, causal, "float32", q, *whole, prefix + suffix_lens, None, None, None, {})
+    # The cascade: every request's queries as the new tokens of one sequence over the prefix.
+    as_one = q.transpose(1, 0, 2, 3).reshape(1, heads, batch * tokens, 32)
+    shared = _run(
+        target, full, "float32", as_one, shared_k, shared_v, np.array([prefix], np.int32), None, None, None, {}
+    )
+    shared = (
+        shared[0].reshape(heads, batch, tokens, 32).transpose(1, 0, 2, 3),
+        shared[1].reshape(heads, batch, tokens).transpose(1, 0, 2),
+    )
+    own = _run(target, causal, "float32", q, own_k, own_v, suffix_lens, None, None, None, {})
+    if target == "triton_gpu":
+        module, wrap = harness.load_target(causal, "triton_gpu"), torch.from_numpy
+    else:
+        import jax.numpy as jnp
+
+        module, wrap = _pallas_module(causal), jnp.asarray
+    got, _ = module.merge_partials(*(wrap(np.ascontiguousarray(x)) for x in (*shared, *own)))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=0)
+
+
 def test_a_split_of_no_keys_merges_to_nothing():
     """A sliding window visits only its window of the cache; splits beyond it see no key, and the
     merge must not let them change a row (their LSE is -inf)."""
