@@ -17,6 +17,7 @@ from attngen.reference import attention_ref
 from attngen.spec import load_spec, retarget, with_config
 from attngen.testing import example_params
 from tests import harness
+from tests.strategies import exact_specs
 
 # Specs whose params make sense at any cache position (varlen packs several sequences in one row).
 SPECS = [
@@ -152,8 +153,16 @@ def _sequence_params(params, spec, b, length):
 
 
 def check(spec_name: str, p: dict, target: str = "triton_gpu"):
+    """Problem p (problems()) with spec specs/{spec_name}.toml at head_dim 32 and p's dtype."""
     base = load_spec(f"specs/{spec_name}.toml")
     spec = retarget(base, 32 if base.head_dim_v is None else base.head_dim, p["dtype"])
+    params = example_params(spec_name, p["batch"], p["heads"], p["capacity"], p["capacity"], seed=p["seed"])
+    check_spec(spec, params, p, target)
+
+
+def check_spec(spec, params: dict, p: dict, target: str):
+    """attention_with_kvcache of `spec` on problem p against the float64 reference of attention
+    over each whole sequence (its new rows), by attngen.exactness's rule."""
     rng = np.random.default_rng(p["seed"])
     B, H, T, cap, kv_heads = p["batch"], p["heads"], p["new_tokens"], p["capacity"], p["kv_heads"]
     draw = lambda *shape: round_to(rng.standard_normal(shape).astype(np.float32), p["dtype"])
@@ -171,7 +180,6 @@ def check(spec_name: str, p: dict, target: str = "triton_gpu"):
         num_pages = B * pages_per_sequence + 3  # a few pages no sequence uses
         table = rng.permutation(num_pages)[: B * pages_per_sequence].reshape(B, pages_per_sequence)
     k_cache, v_cache = (_as_cache(rows, table, num_pages, p["page_size"]) for rows in (k_cached, v_cached))
-    params = example_params(spec_name, B, H, cap, cap, seed=p["seed"])
     seqlens = np.array(p["seqlens"], np.int32)
     table = None if table is None else table.astype(np.int32)
     leftpad = None if p.get("leftpad") is None else np.array(p["leftpad"], np.int32)
@@ -224,6 +232,20 @@ def test_kvcache_matches_attention_over_the_whole_sequence(spec_name, p):
 def test_pallas_kvcache_matches_attention_over_the_whole_sequence(spec_name, p):
     """The same problems in TPU interpret mode (one a spec: each shape compiles its own kernel)."""
     check(spec_name, p, "pallas_tpu")
+
+
+@pytest.mark.parametrize("target, examples", [("triton_gpu", 6), ("pallas_tpu", 2)])
+def test_drawn_specs_decode_exactly(target, examples):
+    """Specs drawn as tests/test_fuzz.py draws them (masks and scores of the language, sinks, head
+    dims 16-64), on drawn decode problems: the tile bounds of masks no spec of specs/ has."""
+
+    @settings(max_examples=examples, deadline=None)
+    @given(drawn=exact_specs(), p=problems())
+    def decode(drawn, p):
+        spec = harness.spec_from_text(drawn.text)
+        check_spec(retarget(spec, spec.head_dim, p["dtype"]), drawn.params, p, target)
+
+    decode()
 
 
 def test_pallas_pages_larger_than_a_block():
