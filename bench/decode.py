@@ -52,6 +52,14 @@ from attngen.spec import load_spec
 from attngen.timing import median_ms, medians
 
 
+def causal_module(bench: str):
+    """(spec, its Triton module) of specs/causal.toml, built afresh for `bench` in a scratch folder."""
+    spec = load_spec(ROOT / "specs" / "causal.toml")
+    scratch = Path(tempfile.mkdtemp(prefix=f"attngen-{bench}-"))
+    write_package(spec, scratch)
+    return spec, import_generated(scratch / spec.name / "triton_gpu.py", f"attngen_{bench}_causal")
+
+
 def copy_bandwidth(moved: int = 2**33, graph: bool = False) -> float:
     """GB/s of a device-to-device copy that moves `moved` bytes (half read, half written): by default
     a 4 GiB copy, the HBM peak we measure against. With a row's K and V bytes, replayed from a CUDA
@@ -115,10 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT") or "bench-out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = load_spec(ROOT / "specs" / "causal.toml")
-    scratch = Path(tempfile.mkdtemp(prefix="attngen-decode-"))
-    write_package(spec, scratch)
-    module = import_generated(scratch / spec.name / "triton_gpu.py", "attngen_decode_causal")
+    spec, module = causal_module("decode")
     flex = torch.compile(flex_attention)
     peak = copy_bandwidth()
     env = {

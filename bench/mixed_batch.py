@@ -22,20 +22,17 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import triton
-from decode import _first_line, _sdpa, copy_bandwidth, host_time, paged, reference, time_calls
+from decode import _first_line, _sdpa, causal_module, copy_bandwidth, host_time, paged, reference, time_calls
 from torch.nn.attention import SDPBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from attngen.build import import_generated, write_package
 from attngen.exactness import judge
-from attngen.spec import load_spec
 
 PAGE = 16
 
@@ -50,10 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT") or "bench-out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = load_spec(ROOT / "specs" / "causal.toml")
-    scratch = Path(tempfile.mkdtemp(prefix="attngen-mixed-"))
-    write_package(spec, scratch)
-    module = import_generated(scratch / spec.name / "triton_gpu.py", "attngen_mixed_causal")
+    spec, module = causal_module("mixed")
     env = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

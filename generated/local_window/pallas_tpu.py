@@ -601,6 +601,8 @@ def _ragged_tokens(cu_seqlens_q, total_q):
 def _descales(batch, kv_heads, k_descale, v_descale):
     """The decode kernel's descale factors, float32 [batch x kv_heads x 2] (flat, for scalar memory):
     k's and v's for each (sequence, kv head); each one number or [batch, kv_heads], None 1."""
+    if k_descale is None and v_descale is None:  # (one array, not four operations, for a plain cache)
+        return jnp.ones((batch * kv_heads * 2,), jnp.float32)
     factors = []
     for name, value in (("k_descale", k_descale), ("v_descale", v_descale)):
         value = jnp.asarray(1.0 if value is None else value, jnp.float32)
