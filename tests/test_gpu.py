@@ -393,6 +393,24 @@ def test_decoding_from_an_fp8_cache_on_the_gpu():
         base_out, _ = reference(torch.bfloat16)
         assert_forward("bfloat16", out[a:z].transpose(0, 1)[None], lse[:, a:z][None], ref_out, ref_lse, base_out)
 
+    # Replayed from a CUDA graph, as engines decode: the same bits, with factors as tensors or numbers.
+    for k_descale, v_descale in ((factors[0], factors[1]), (0.5, 0.25)):
+        call = lambda k_descale=k_descale, v_descale=v_descale: module.attention_with_kvcache(
+            q, k_pages, v_pages, lens, block_table=table, cu_seqlens_q=cu, k_descale=k_descale, v_descale=v_descale,
+            window=window,
+        )  # fmt: skip
+        expected = call()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = call()
+        graph.replay()
+        torch.testing.assert_close(replayed, expected, rtol=0, atol=0)
+
 
 def test_the_last_split_merges_exactly_and_repeatably_on_the_gpu():
     """Split-KV: the last program of a tile to finish merges every split's partial output. Whichever

@@ -2966,20 +2966,49 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, sc
 
 def _fp8_descales(device, batch, kv_heads, q_descale, k_descale, v_descale):
     """The kernels' DESCALE, float32 [batch, kv_heads, 2]: q's descale times k's, and v's (each per
-    tensor or [batch, kv_heads]; None is 1)."""
-    factors = []
-    for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if value is None:
-            value = 1.0
-        if isinstance(value, torch.Tensor):
-            if value.device != device:
-                raise ValueError(f"{name} is on {value.device}, q on {device}")
-            if value.numel() != 1 and tuple(value.shape) != (batch, kv_heads):
-                raise ValueError(f"{name} must be one number or [batch, kv_heads] = [{batch}, {kv_heads}], got {list(value.shape)}")
-            value = value.float().reshape(() if value.numel() == 1 else (batch, kv_heads))
-        factors.append(torch.as_tensor(value, dtype=torch.float32, device=device).expand(batch, kv_heads))
-    q_descale, k_descale, v_descale = factors
-    return torch.stack((q_descale * k_descale, v_descale), dim=-1)
+    tensor or [batch, kv_heads]; None is 1). Built by device operations alone (no copy from the host),
+    so that a call can be captured in a CUDA graph; factors that are all numbers are kept per value."""
+    q_descale, k_descale, v_descale = (
+        _descale_factor(device, batch, kv_heads, name, value)
+        for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+    )
+    qk_descale = q_descale * k_descale
+    if isinstance(qk_descale, float) and isinstance(v_descale, float):
+        return _constant_descales(device, batch, kv_heads, qk_descale, v_descale)
+    columns = [
+        x.expand(batch, kv_heads) if isinstance(x, torch.Tensor) else torch.full((batch, kv_heads), x, dtype=torch.float32, device=device)
+        for x in (qk_descale, v_descale)
+    ]
+    return torch.stack(columns, dim=-1)
+
+
+def _descale_factor(device, batch, kv_heads, name, value):
+    """One descale argument checked: a float, or a float32 tensor of one element or [batch, kv_heads]."""
+    if not isinstance(value, torch.Tensor):
+        return 1.0 if value is None else float(value)
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device}, q on {device}")
+    if value.numel() != 1 and tuple(value.shape) != (batch, kv_heads):
+        raise ValueError(f"{name} must be one number or [batch, kv_heads] = [{batch}, {kv_heads}], got {list(value.shape)}")
+    return value.float().reshape(() if value.numel() == 1 else (batch, kv_heads))
+
+
+_CONSTANT_DESCALES = {}
+
+
+def _constant_descales(device, batch, kv_heads, qk_descale, v_descale):
+    """_fp8_descales of numbers, made once per value and shape (a serving engine passes the same ones
+    every step). Not kept when made under CUDA-graph capture, where its fill is only recorded."""
+    key = (device, batch, kv_heads, qk_descale, v_descale)
+    descales = _CONSTANT_DESCALES.get(key)
+    if descales is None:
+        descales = torch.full((batch, kv_heads, 2), qk_descale, dtype=torch.float32, device=device)
+        descales[..., 1] = v_descale
+        if not torch.cuda.is_current_stream_capturing():
+            if len(_CONSTANT_DESCALES) >= 64:  # (factors that change every call: keep the newest alone)
+                _CONSTANT_DESCALES.clear()
+            _CONSTANT_DESCALES[key] = descales
+    return descales
 
 
 def attention_forward(q, k, v, *, scale=None, **params):
