@@ -466,6 +466,9 @@ def test_descale_factors_and_cache_dtypes_are_checked():
         module.attention_with_kvcache(q.to(torch.float8_e4m3fn), cache, cache, lens)
     out = module.attention_with_kvcache(q, cache, cache, lens, k_descale=0.5, v_descale=torch.full((2, 2), 2.0))
     assert out.shape == (2, 4, 1, 32) and out.dtype == torch.bfloat16  # the unchanged inputs run
+    # Numbers alone give the factors as tensors would (their [batch, kv_heads, 2] kept for the next call).
+    assert torch.equal(module.attention_with_kvcache(q, cache, cache, lens, k_descale=0.5, v_descale=2.0), out)
+    assert module._fp8_descales(q.device, 2, 2, None, 0.5, 2.0) is module._fp8_descales(q.device, 2, 2, None, 0.5, 2.0)
 
 
 @pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])

@@ -3025,11 +3025,13 @@ def _fp8_descales(device, batch, kv_heads, q_descale, k_descale, v_descale):
         _descale_factor(device, batch, kv_heads, name, value)
         for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
     )
-    qk_descale = q_descale * k_descale
+    no_q_factor = isinstance(q_descale, float) and q_descale == 1.0  # (decoding: no multiplication launched)
+    qk_descale = k_descale if no_q_factor else q_descale * k_descale
     if isinstance(qk_descale, float) and isinstance(v_descale, float):
         return _constant_descales(device, batch, kv_heads, qk_descale, v_descale)
+    shape = (batch, kv_heads)
     columns = [
-        x.expand(batch, kv_heads) if isinstance(x, torch.Tensor) else torch.full((batch, kv_heads), x, dtype=torch.float32, device=device)
+        x.expand(shape) if isinstance(x, torch.Tensor) else torch.full(shape, x, dtype=torch.float32, device=device)
         for x in (qk_descale, v_descale)
     ]
     return torch.stack(columns, dim=-1)
@@ -3057,7 +3059,7 @@ def _constant_descales(device, batch, kv_heads, qk_descale, v_descale):
     if descales is None:
         descales = torch.full((batch, kv_heads, 2), qk_descale, dtype=torch.float32, device=device)
         descales[..., 1] = v_descale
-        if not torch.cuda.is_current_stream_capturing():
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             if len(_CONSTANT_DESCALES) >= 64:  # (factors that change every call: keep the newest alone)
                 _CONSTANT_DESCALES.clear()
             _CONSTANT_DESCALES[key] = descales
