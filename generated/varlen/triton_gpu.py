@@ -3153,14 +3153,17 @@ _CONSTANT_DESCALES = {}
 
 def _constant_descales(device, batch, kv_heads, qk_descale, v_descale):
     """_fp8_descales of numbers, made once per value and shape (a serving engine passes the same ones
-    every step). Not kept when made under CUDA-graph capture, where its fill is only recorded."""
+    every step). Under CUDA-graph capture made afresh, in the graph's memory: its fill is recorded
+    and replayed, and no kept one, dropped later (the table is emptied at 64), leaves the graph
+    reading freed memory."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = (device, batch, kv_heads, qk_descale, v_descale)
-    descales = _CONSTANT_DESCALES.get(key)
+    descales = None if capturing else _CONSTANT_DESCALES.get(key)
     if descales is None:
         descales = torch.full((batch, kv_heads, 2), qk_descale, dtype=torch.float32, device=device)
         descales[..., 1] = v_descale
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            if len(_CONSTANT_DESCALES) >= 64:  # (factors that change every call: keep the newest alone)
+        if not capturing:
+            if len(_CONSTANT_DESCALES) >= 64:  # (factors that change every call)
                 _CONSTANT_DESCALES.clear()
             _CONSTANT_DESCALES[key] = descales
     return descales
