@@ -289,6 +289,22 @@ def _stream_buffer(device, name, n, new=torch.empty, dtype=torch.float32):
     return buffer
 
 
+def _kept_on_stream(table, kept, device, key, make):
+    """make(), a tensor that calls only read, kept in `table` per stream (_stream_key) and key and
+    shared by the eager calls, the oldest dropped past `kept`; fresh under CUDA-graph capture (made in
+    the graph's memory: a kept one, dropped later, would leave the graph reading freed memory)."""
+    stream = _stream_key(device)
+    if stream is None:
+        return make()
+    key = (stream, *key)
+    value = table.get(key)
+    if value is None:
+        if len(table) >= kept:
+            del table[next(iter(table))]  # the oldest
+        value = table[key] = make()
+    return value
+
+
 def _stream_counters(device, n):
     """n int32 counters, zero, for a kernel that zeroes them again as it ends (the Hopper walks' tile
     counter, the decode splits'), kept per stream (_stream_buffer): no allocation and no memset a
@@ -1296,7 +1312,7 @@ def attention_with_kvcache(
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if fp8 and q.is_cuda and (torch.version.hip or torch.cuda.get_device_capability(q.device) < (8, 9)):
+    if fp8 and q.is_cuda and (torch.version.hip or _capability(q.device) < (8, 9)):
         gpu = torch.cuda.get_device_name(q.device)
         raise RuntimeError(f"FP8 caches need an NVIDIA GPU of sm_89 or newer (e4m3 conversions); q is on {gpu}")
     descale = None
@@ -3011,25 +3027,20 @@ def _descale_factor(device, batch, kv_heads, name, value):
     return value.float().reshape(() if value.numel() == 1 else (batch, kv_heads))
 
 
-_CONSTANT_DESCALES = {}
+_DESCALES = {}  # (_stream_key, batch, kv_heads, factors) -> _fp8_descales of numbers (_constant_descales)
+_DESCALES_KEPT = 8
 
 
 def _constant_descales(device, batch, kv_heads, qk_descale, v_descale):
-    """_fp8_descales of numbers, made once per value and shape (a serving engine passes the same ones
-    every step). Under CUDA-graph capture made afresh, in the graph's memory: its fill is recorded
-    and replayed, and no kept one, dropped later (the table is emptied at 64), leaves the graph
-    reading freed memory."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    key = (device, batch, kv_heads, qk_descale, v_descale)
-    descales = None if capturing else _CONSTANT_DESCALES.get(key)
-    if descales is None:
+    """_fp8_descales of numbers, kept per value and shape (_kept_on_stream): a serving engine passes
+    the same ones every step and layer."""
+
+    def make():
         descales = torch.full((batch, kv_heads, 2), qk_descale, dtype=torch.float32, device=device)
         descales[..., 1] = v_descale
-        if not capturing:
-            if len(_CONSTANT_DESCALES) >= 64:  # (factors that change every call)
-                _CONSTANT_DESCALES.clear()
-            _CONSTANT_DESCALES[key] = descales
-    return descales
+        return descales
+
+    return _kept_on_stream(_DESCALES, _DESCALES_KEPT, device, (batch, kv_heads, qk_descale, v_descale), make)
 
 
 def attention_forward(q, k, v, *, scale=None, **params):
@@ -3136,23 +3147,15 @@ def _cache_seqlens(cache_seqlens, q, batch):
     into the cache); anything else is as _check_kvcache found it, made contiguous (the kernels
     read lengths by index).
 
-    The kernels only read it, so the lengths of a recent int are kept per stream (_stream_key) and
+    The kernels only read it, so the lengths of a recent int are kept per stream (_kept_on_stream) and
     shared: the layers of one decoding step (transformers' generate passes an int) make one tensor,
     not one each (an allocation and a fill launch). Under CUDA-graph capture, fresh ones.
     """
     if not _one_length(cache_seqlens):
         return cache_seqlens.contiguous()
     length = min(max(cache_seqlens, 0), 2**31 - 1)
-    stream = _stream_key(q.device)
-    if stream is None:
-        return torch.full((batch,), length, device=q.device, dtype=torch.int32)
-    key = (stream, batch, length)
-    lengths = _SEQLENS.get(key)
-    if lengths is None:
-        if len(_SEQLENS) >= _SEQLENS_KEPT:
-            del _SEQLENS[next(iter(_SEQLENS))]  # the oldest
-        lengths = _SEQLENS[key] = torch.full((batch,), length, device=q.device, dtype=torch.int32)
-    return lengths
+    make = functools.partial(torch.full, (batch,), length, device=q.device, dtype=torch.int32)
+    return _kept_on_stream(_SEQLENS, _SEQLENS_KEPT, q.device, (batch, length), make)
 
 
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q):
