@@ -427,10 +427,14 @@ def test_bad_cu_seqlens_q_are_refused_before_launch(target):
 
 @pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("page_size", [None, 16])
-def test_an_fp8_cache_reads_as_its_values_times_their_factors(target, page_size):
-    """An FP8 cache with power-of-two descale factors per (sequence, kv head) gives the same bits as a
-    bfloat16 cache holding e4m3 values times their factors (exact in bfloat16): widening e4m3 is
-    exact, and so is a power-of-two factor on q.k and on the output; over splits, ragged tokens too."""
+@pytest.mark.parametrize("q_magnitude", [1.0, 2.0**-20, 2.0**20])
+def test_an_fp8_cache_reads_as_its_values_times_their_factors(target, page_size, q_magnitude):
+    """An FP8 cache with power-of-two descale factors per (sequence, kv head) against a bfloat16
+    cache holding e4m3 values times their factors (exact in bfloat16); over splits, ragged tokens
+    too. Pallas widens e4m3 to bfloat16, exactly, and scales q.k and the output by the factors,
+    exactly: the same bits. Triton multiplies in float16, q shifted by a power of two into its range
+    (P in float16 too): judged against the float32 kernel by the bfloat16 rule, the bfloat16
+    cache's error as the baseline, at queries of any magnitude."""
     spec = retarget(load_spec("specs/sliding_window.toml"), 32, "bfloat16")
     rng = np.random.default_rng(6)
     batch, kv_heads, heads, capacity = 3, 2, 4, 128
@@ -439,13 +443,35 @@ def test_an_fp8_cache_reads_as_its_values_times_their_factors(target, page_size)
     exact = [x * f[:, :, None, None] for x, f in zip(e4m3, factors)]
     table = None if page_size is None else rng.permutation(batch * 8).reshape(batch, 8).astype(np.int32)
     caches = [_as_cache(x, table, batch * 8, page_size) for x in (*e4m3, *exact)]
-    q = round_to(rng.standard_normal((6, heads, 32)).astype(np.float32), "bfloat16")
+    q = round_to(q_magnitude * rng.standard_normal((6, heads, 32)).astype(np.float32), "bfloat16")
     lens, cu = np.array([128, 70, 9], np.int32), np.array([0, 3, 4, 6], np.int32)
     run = functools.partial(_run, target, spec, "bfloat16", q, num_splits=2, params={"window": 50}, cu_seqlens_q=cu)
     fp8 = run(*caches[:2], lens, table, None, cache_dtype="float8_e4m3fn", k_descale=factors[0], v_descale=factors[1])
     bf16 = run(*caches[2:], lens, table, None)
-    for got, want in zip(fp8, bf16, strict=True):
-        np.testing.assert_array_equal(got, want)
+    if target == "pallas_tpu":
+        for got, want in zip(fp8, bf16, strict=True):
+            np.testing.assert_array_equal(got, want)
+        return
+    wide = _run(
+        target,
+        retarget(spec, 32, "float32"),
+        "float32",
+        q,
+        *caches[2:],
+        lens,
+        table,
+        None,
+        2,
+        {"window": 50},
+        cu_seqlens_q=cu,
+    )
+    (out, lse), (wide_out, wide_lse) = (
+        (o.transpose(1, 0, 2)[None], l[None]) for o, l in (fp8, wide)
+    )  # [1, H, total_q, ...]
+    verdict = check_forward("float32", out, lse, wide_out, wide_lse)  # (the rows without keys, the LSE)
+    rule = judge("bfloat16", {"out": max_error(fp8[0], wide[0])}, {"out": max_error(bf16[0], wide[0])})
+    problems = [problem for problem in verdict.problems if not problem.startswith("max |out")] + list(rule.problems)
+    assert not problems, problems
 
 
 def test_descale_factors_and_cache_dtypes_are_checked():
@@ -612,18 +638,23 @@ def test_a_reused_workspace_gives_the_same_bits_and_is_left_zero():
 
 
 def test_split_grids_fill_the_gpu_once_or_many_times(monkeypatch):
-    """The split rule keeps decode grids at most DECODE_PROGRAMS_PER_SM programs per SM or at least
-    five times as many, away from the grids of twice as many that read 8-16 % slower on the H200
-    (BENCHMARKS.md, 2026-12-02), and a tile in at most 16 splits (more lost at batch 1)."""
+    """The split rule keeps decode grids of 16-row tiles at most DECODE_PROGRAMS_PER_SM programs per
+    SM or at least five times as many, away from the grids of twice as many that read 8-16 % slower
+    on the H200 (BENCHMARKS.md, 2026-12-02), and a tile in at most 16 splits (more lost at batch 1);
+    taller tiles (many new tokens) split only to fill the GPU (2026-12-05)."""
     module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
     monkeypatch.setattr(module, "_sm_count", lambda device: 132)  # an H100 / H200
     slots = module.DECODE_PROGRAMS_PER_SM * 132
     for tiles in range(1, 16 * slots):
-        splits = module._decode_splits(tiles, 2**17, torch.device("cpu"))
+        splits = module._decode_splits(tiles, 2**17, torch.device("cpu"), module.DECODE_PROGRAMS_PER_SM, 16)
         grids = tiles * splits / slots
         assert 1 <= splits <= 16 and (grids <= 1 or grids >= 5), (tiles, splits)
-    assert module._decode_splits(8, 2**17, None) == 16  # batch 1, 8 kv heads
-    assert module._decode_splits(512, 2**15, None) == 4  # batch 64: about eight times 264 programs
+    assert module._decode_splits(8, 2**17, None, 2, 16) == 16  # batch 1, 8 kv heads
+    assert module._decode_splits(512, 2**15, None, 2, 16) == 4  # batch 64: about eight times 264 programs
+    assert module._decode_splits(512, 2**15, None, 2, 64) == 1  # tiles of 64 rows (16 tokens): no more
+    assert module._decode_splits(64, 2**15, None, 2, 64) == 4  # ... than fill the grid (batch 8)
+    assert module._decode_splits(200, 2**15, None, 2, 16) == 1  # 200 tiles fill 264 slots once
+    assert module._decode_splits(200, 2**15, None, 4, 16) == 2  # an FP8 cache's four programs an SM: 528 slots
 
 
 def test_long_splits_walk_wider_kv_blocks(monkeypatch):
@@ -635,13 +666,15 @@ def test_long_splits_walk_wider_kv_blocks(monkeypatch):
     monkeypatch.setattr(module, "_sm_count", lambda device: 132)  # an H100 / H200
     monkeypatch.setattr(module, "_tma", lambda device: True)
     cuda = torch.device("cuda")  # (a device object: nothing runs on it)
-    assert module._long_splits(2**17, 16, 128, 16, cuda)  # batch 1, 8 kv heads, one token, 128k keys
-    assert not module._long_splits(2**15, 16, 128, 16, cuda)  # 2k keys a split
-    assert not module._long_splits(2**17, 16, 128, 64, cuda)  # 16 new tokens: 64 rows a tile
-    assert not module._long_splits(2**17, 4, 256, 16, cuda)  # batch 8: two programs an SM
-    assert not module._long_splits(2**17, 16, 128, 16, torch.device("cpu"))
+    keys, fp8_keys = module.DECODE_LONG_SPLIT_KEYS, module.DECODE_FP8_LONG_SPLIT_KEYS
+    assert module._long_splits(2**17, 16, 128, 16, cuda, keys)  # batch 1, 8 kv heads, one token, 128k keys
+    assert not module._long_splits(2**15, 16, 128, 16, cuda, keys)  # 2k keys a split
+    assert module._long_splits(2**15, 16, 128, 16, cuda, fp8_keys)  # 2k FP8 keys a split
+    assert not module._long_splits(2**17, 16, 128, 64, cuda, keys)  # 16 new tokens: 64 rows a tile
+    assert not module._long_splits(2**17, 4, 256, 16, cuda, keys)  # batch 8: two programs an SM
+    assert not module._long_splits(2**17, 16, 128, 16, torch.device("cpu"), keys)
     wide = retarget(load_spec("specs/causal.toml"), 256, "bfloat16")  # 256-wide heads: 268 KiB of K/V ring
-    assert not harness.load_target(wide, "triton_gpu")._long_splits(2**17, 16, 128, 16, cuda)
+    assert not harness.load_target(wide, "triton_gpu")._long_splits(2**17, 16, 128, 16, cuda, keys)
 
     spec = retarget(load_spec("specs/causal.toml"), 32, "float32")
     narrow = harness.load_target(spec, "triton_gpu")
@@ -653,6 +686,24 @@ def test_long_splits_walk_wider_kv_blocks(monkeypatch):
             "page_size": page_size, "seqlens": [512, 137], "num_splits": 2, "seed": 6,
         }  # fmt: skip
         check("causal", problem)
+
+
+def test_an_fp8_cache_launches_twice_the_programs_in_fewer_registers(monkeypatch):
+    """An FP8 cache's decode grid holds DECODE_FP8_PROGRAMS_PER_SM programs per SM, compiled within
+    DECODE_FP8_MAX_REGISTERS so that they fit; a launch of one program per SM or fewer walks wide
+    steps instead, uncapped."""
+    module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
+    monkeypatch.setattr(module, "_sm_count", lambda device: 132)
+    q = torch.zeros(8, 32, 1, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 8, 2**15, 128, dtype=torch.bfloat16)
+    plain = module._decode_launch(q, cache, None, False, None)
+    fp8 = module._decode_launch(q, cache.to(torch.float8_e4m3fn), None, False, None)
+    assert fp8.grid[0] == 2 * plain.grid[0]  # 64 tiles: 8 splits each, not 4
+    assert fp8.constants["maxnreg"] == module.DECODE_FP8_MAX_REGISTERS and "maxnreg" not in plain.constants
+    monkeypatch.setattr(module, "_tma", lambda device: True)
+    monkeypatch.setattr(module, "_long_splits", lambda *args: True)  # (as on the H200 at batch 1)
+    wide = module._decode_launch(q[:1], cache[:1].to(torch.float8_e4m3fn), None, False, None)
+    assert wide.constants["BLOCK_N"] == module.DECODE_LONG_BLOCK_N and "maxnreg" not in wide.constants
 
 
 def test_a_cache_in_another_layout_is_read_in_place():

@@ -936,6 +936,15 @@ def _decode_fwd(
     q = tl.load(Q + q_rows + offs_d[None, :], mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
     if DESCALED:  # KV_DESCALE [batch, kv_heads, 2] (an FP8 cache's): k's factor scales q.k, v's the output
         scale = scale * tl.load(KV_DESCALE + (b * kv_heads + h_kv) * 2)
+    if K.dtype.element_ty == tl.float8e4nv:
+        # e4m3 widens to float16 in one conversion a pair, to bfloat16 only through float16, an
+        # element at a time: an FP8 cache's products run in float16 (1.3x faster on the H200), q
+        # scaled by a power of two that puts its largest magnitude in [2^14, 2^15) (every bfloat16
+        # of q within 2^31 of it is then a float16), undone in scale. P rounds to float16 too.
+        top = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        shift = tl.minimum(14 - (((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127), 100)
+        q = (q.to(tl.float32) * ((shift + 127) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        scale = scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -1065,6 +1074,14 @@ DECODE_PROGRAMS_PER_SM = 2
 # lose 1-16 % (BENCHMARKS.md, 2026-12-02, "wider kv blocks for long splits").
 DECODE_LONG_BLOCK_N = 128
 DECODE_LONG_SPLIT_KEYS = 8192
+# An FP8 cache's program holds half the bytes in flight a step: its grid holds twice the programs
+# per SM, each capped at the registers that let four share an SM's 64K (156 -> 128, no spill on a
+# contiguous cache), and one program per SM or fewer walk DECODE_LONG_BLOCK_N keys a step whatever
+# their split's length. H200, one token: batch 8 and 32, 8k-32k keys 1.03-1.11x faster; batch 1,
+# 32k keys 1.12x (BENCHMARKS.md, 2026-12-05, "FP8 caches in float16 products").
+DECODE_FP8_PROGRAMS_PER_SM = 2 * DECODE_PROGRAMS_PER_SM
+DECODE_FP8_MAX_REGISTERS = 128
+DECODE_FP8_LONG_SPLIT_KEYS = 0
 
 
 class _DecodeLaunch(NamedTuple):
@@ -1102,9 +1119,13 @@ def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None,
                 " (pass max_seqlen_q, or fewer tokens a call)"
             )
     tiles = tile_grid[0] * tile_grid[1]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     if num_splits is None:
-        num_splits = _decode_splits(tiles, capacity, q.device) if tiles else 1
-    if _long_splits(capacity, num_splits, tiles * num_splits, block_m, q.device):
+        per_sm = DECODE_FP8_PROGRAMS_PER_SM if fp8 else DECODE_PROGRAMS_PER_SM
+        num_splits = _decode_splits(tiles, capacity, q.device, per_sm, block_m) if tiles else 1
+    long_keys = DECODE_FP8_LONG_SPLIT_KEYS if fp8 else DECODE_LONG_SPLIT_KEYS
+    long_steps = _long_splits(capacity, num_splits, tiles * num_splits, block_m, q.device, long_keys)
+    if long_steps:
         block_n = DECODE_LONG_BLOCK_N
     merge_m, merge_splits = _merge_chunk(min(block_m, group * new_tokens), num_splits)
     if torch.version.hip:
@@ -1117,6 +1138,8 @@ def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None,
         BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
         num_warps=warps, num_stages=stages,
     )
+    if fp8 and not long_steps:
+        constants["maxnreg"] = DECODE_FP8_MAX_REGISTERS
     return _DecodeLaunch((num_splits, *tile_grid), capacity, constants)
 
 
@@ -1229,30 +1252,38 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seql
     return (cache_seqlens + added).int()
 
 
-def _decode_splits(tiles, capacity, device):
+def _decode_splits(tiles, capacity, device, programs_per_sm, block_m):
     """In how many splits the keys of each tile's sequence are walked (flash-decoding), each at
     least two blocks of the capacity. Measured on the H200 (BENCHMARKS.md, 2026-12-02, one token,
-    32 / 8 heads): grids of DECODE_PROGRAMS_PER_SM programs per SM or fewer, or about eight times
+    32 / 8 heads): grids of programs_per_sm programs per SM or fewer, or about eight times
     as many, read at the copy's bandwidth, and grids of 512 programs 8-16 % slower at batch 8, 16,
     32 and 64 alike (1.3 waves: an SM holds three 70 KiB one-token programs); beyond 16 splits a
-    tile, the short splits' prologues and the merge cost more than they bring (batch 1). So: tiles
-    that fit in DECODE_PROGRAMS_PER_SM per SM split to fill them, up to 16 ways; more tiles split
-    into about eight times as many programs."""
-    slots = DECODE_PROGRAMS_PER_SM * _sm_count(device)
-    splits = min(slots // tiles, 16) if tiles <= slots else round(8 * slots / tiles)
+    tile, the short splits' prologues and the merge cost more than they bring (batch 1). Tiles of
+    more than 16 rows (many new tokens: their products, not memory, bound them) lose by splits
+    that a full grid does not need: a 512-token chunk beside 32 decoding sequences, one ragged
+    call over 8k keys, in 432 us unsplit and 511 us in four splits (2026-12-05). So: tiles that fit
+    in programs_per_sm per SM (DECODE_PROGRAMS_PER_SM; an FP8 cache's, DECODE_FP8_...) split to
+    fill them, up to 16 ways; more tiles of 16 rows split into about eight times as many programs,
+    taller ones not at all."""
+    slots = programs_per_sm * _sm_count(device)
+    if tiles <= slots:
+        splits = min(slots // tiles, 16)
+    else:
+        splits = round(8 * slots / tiles) if block_m <= 16 else 1
     return max(1, min(splits, _cdiv(capacity, 2 * DECODE_BLOCK_N)))
 
 
-def _long_splits(capacity, num_splits, programs, block_m, device):
+def _long_splits(capacity, num_splits, programs, block_m, device, split_keys):
     """Whether a decode launch walks its splits DECODE_LONG_BLOCK_N keys a step: at one program per SM
     or fewer nothing else on the SM hides each step's latency (a paged cache's block table, then the
-    K/V loads that depend on it), and wider steps put more bytes in flight. Only on NVIDIA GPUs with
+    K/V loads that depend on it), and wider steps put more bytes in flight; for splits of split_keys
+    keys or more (DECODE_LONG_SPLIT_KEYS; an FP8 cache's, DECODE_FP8_...). Only on NVIDIA GPUs with
     TMA (where it was measured) and heads up to 128 wide: there the K/V ring grows from 70 to 136 KiB;
     at 256 it would pass the 227 KiB a block has."""
     return (
         max(BLOCK_D, BLOCK_DV) <= 128
         and block_m <= 16
-        and capacity >= num_splits * DECODE_LONG_SPLIT_KEYS
+        and capacity >= num_splits * split_keys
         and device.type == "cuda"
         and torch.version.hip is None
         and _tma(device)
