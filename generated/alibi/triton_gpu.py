@@ -1063,8 +1063,8 @@ DECODE_LONG_SPLIT_KEYS = 8192
 # An FP8 cache's program holds half the bytes in flight a step: its grid holds twice the programs
 # per SM, each capped at the registers that let four share an SM's 64K (156 -> 128, no spill on a
 # contiguous cache), and one program per SM or fewer walk DECODE_LONG_BLOCK_N keys a step whatever
-# their split's length. H200, one token: batch 8 and 32, 8k-32k keys 1.03-1.11x faster; batch 1,
-# 32k keys 1.12x (BENCHMARKS.md, 2026-12-05, "FP8 caches in float16 products").
+# their split's length. H200, one token, 8k-32k keys: batch 8 and 32 1.06-1.12x faster, batch 1
+# 1.09-1.12x (BENCHMARKS.md, 2026-12-05, "FP8 caches in float16 products").
 DECODE_FP8_PROGRAMS_PER_SM = 2 * DECODE_PROGRAMS_PER_SM
 DECODE_FP8_MAX_REGISTERS = 128
 DECODE_FP8_LONG_SPLIT_KEYS = 0
