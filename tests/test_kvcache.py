@@ -452,23 +452,10 @@ def test_an_fp8_cache_reads_as_its_values_times_their_factors(target, page_size,
         for got, want in zip(fp8, bf16, strict=True):
             np.testing.assert_array_equal(got, want)
         return
-    wide = _run(
-        target,
-        retarget(spec, 32, "float32"),
-        "float32",
-        q,
-        *caches[2:],
-        lens,
-        table,
-        None,
-        2,
-        {"window": 50},
-        cu_seqlens_q=cu,
-    )
-    (out, lse), (wide_out, wide_lse) = (
-        (o.transpose(1, 0, 2)[None], l[None]) for o, l in (fp8, wide)
-    )  # [1, H, total_q, ...]
-    verdict = check_forward("float32", out, lse, wide_out, wide_lse)  # (the rows without keys, the LSE)
+    float32 = retarget(spec, 32, "float32")
+    wide = _run(target, float32, "float32", q, *caches[2:], lens, table, None, 2, {"window": 50}, cu_seqlens_q=cu)
+    as_bhsd = lambda out, lse: (out.transpose(1, 0, 2)[None], lse[None])  # [1, H, total_q, ...]
+    verdict = check_forward("float32", *as_bhsd(*fp8), *as_bhsd(*wide))  # (the rows without keys, the LSE)
     rule = judge("bfloat16", {"out": max_error(fp8[0], wide[0])}, {"out": max_error(bf16[0], wide[0])})
     problems = [problem for problem in verdict.problems if not problem.startswith("max |out")] + list(rule.problems)
     assert not problems, problems
@@ -689,9 +676,9 @@ def test_long_splits_walk_wider_kv_blocks(monkeypatch):
 
 
 def test_an_fp8_cache_launches_twice_the_programs_in_fewer_registers(monkeypatch):
-    """An FP8 cache's decode grid holds DECODE_FP8_PROGRAMS_PER_SM programs per SM, compiled within
-    DECODE_FP8_MAX_REGISTERS so that they fit; a launch of one program per SM or fewer walks wide
-    steps instead, uncapped."""
+    """An FP8 cache's decode grid of 16-row tiles holds DECODE_FP8_PROGRAMS_PER_SM programs per SM,
+    compiled within DECODE_FP8_MAX_REGISTERS so that they fit; taller tiles (they would spill) and
+    launches of one program per SM or fewer (they walk wide steps instead) are not capped."""
     module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
     monkeypatch.setattr(module, "_sm_count", lambda device: 132)
     q = torch.zeros(8, 32, 1, 128, dtype=torch.bfloat16)
@@ -700,6 +687,9 @@ def test_an_fp8_cache_launches_twice_the_programs_in_fewer_registers(monkeypatch
     fp8 = module._decode_launch(q, cache.to(torch.float8_e4m3fn), None, False, None)
     assert fp8.grid[0] == 2 * plain.grid[0]  # 64 tiles: 8 splits each, not 4
     assert fp8.constants["maxnreg"] == module.DECODE_FP8_MAX_REGISTERS and "maxnreg" not in plain.constants
+    tokens = torch.zeros(8, 32, 16, 128, dtype=torch.bfloat16)  # 64 rows a tile
+    tall = module._decode_launch(tokens, cache.to(torch.float8_e4m3fn), None, False, None)
+    assert tall.grid == module._decode_launch(tokens, cache, None, False, None).grid and "maxnreg" not in tall.constants
     monkeypatch.setattr(module, "_tma", lambda device: True)
     monkeypatch.setattr(module, "_long_splits", lambda *args: True)  # (as on the H200 at batch 1)
     wide = module._decode_launch(q[:1], cache[:1].to(torch.float8_e4m3fn), None, False, None)

@@ -1055,10 +1055,11 @@ DECODE_PROGRAMS_PER_SM = 2
 # lose 1-16 % (BENCHMARKS.md, 2026-12-02, "wider kv blocks for long splits").
 DECODE_LONG_BLOCK_N = 128
 DECODE_LONG_SPLIT_KEYS = 8192
-# An FP8 cache's program holds half the bytes in flight a step: its grid holds twice the programs
-# per SM, each capped at the registers that let four share an SM's 64K (156 -> 128, no spill on a
-# contiguous cache), and one program per SM or fewer walk DECODE_LONG_BLOCK_N keys a step whatever
-# their split's length. H200, one token, 8k-32k keys: batch 8 and 32 1.06-1.12x faster, batch 1
+# An FP8 cache's program holds half the bytes in flight a step: with tiles of 16 rows (a few new
+# tokens) its grid holds twice the programs per SM, each capped at the registers that let four
+# share an SM's 64K (156 -> 128, no spill on a contiguous cache; 64-row tiles would spill 312
+# bytes), and one program per SM or fewer walk DECODE_LONG_BLOCK_N keys a step whatever their
+# split's length. H200, one token, 8k-32k keys: batch 8 and 32 1.06-1.12x faster, batch 1
 # 1.09-1.12x (BENCHMARKS.md, 2026-12-05, "FP8 caches in float16 products").
 DECODE_FP8_PROGRAMS_PER_SM = 2 * DECODE_PROGRAMS_PER_SM
 DECODE_FP8_MAX_REGISTERS = 128
@@ -1101,8 +1102,9 @@ def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None,
             )
     tiles = tile_grid[0] * tile_grid[1]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    few_fp8_rows = fp8 and block_m <= 16  # (taller FP8 tiles would spill in DECODE_FP8_MAX_REGISTERS)
     if num_splits is None:
-        per_sm = DECODE_FP8_PROGRAMS_PER_SM if fp8 else DECODE_PROGRAMS_PER_SM
+        per_sm = DECODE_FP8_PROGRAMS_PER_SM if few_fp8_rows else DECODE_PROGRAMS_PER_SM
         num_splits = _decode_splits(tiles, capacity, q.device, per_sm, block_m) if tiles else 1
     long_keys = DECODE_FP8_LONG_SPLIT_KEYS if fp8 else DECODE_LONG_SPLIT_KEYS
     long_steps = _long_splits(capacity, num_splits, tiles * num_splits, block_m, q.device, long_keys)
@@ -1119,7 +1121,7 @@ def _decode_launch(q, k_cache, block_table, leftpad, num_splits, sequences=None,
         BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
         num_warps=warps, num_stages=stages,
     )
-    if fp8 and not long_steps:
+    if few_fp8_rows and not long_steps:
         constants["maxnreg"] = DECODE_FP8_MAX_REGISTERS
     return _DecodeLaunch((num_splits, *tile_grid), capacity, constants)
 
