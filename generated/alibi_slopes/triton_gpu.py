@@ -967,9 +967,10 @@ def _decode_fwd(
         # element at a time: an FP8 cache's products run in float16 (1.3x faster on the H200), q
         # scaled by a power of two that puts its largest magnitude in [2^14, 2^15) (every bfloat16
         # of q within 2^31 of it is then a float16), undone in scale. P rounds to float16 too.
-        top = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-        shift = tl.minimum(14 - (((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127), 100)
-        q = (q.to(tl.float32) * ((shift + 127) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        wide = q.to(tl.float32)
+        top = tl.max(tl.max(tl.abs(wide), 1), 0)
+        shift = tl.minimum(14 - (((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127), 100)  # (its exponent's field)
+        q = (wide * ((shift + 127) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
         scale = scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
