@@ -347,6 +347,37 @@ def test_decoding_from_a_paged_cache_on_the_gpu(leftpad, tokens):
             assert_forward("bfloat16", *rows[b], ref_out, ref_lse, base_out)
 
 
+def test_compiled_decoding_replays_as_a_cuda_graph():
+    """attention_with_kvcache inside torch.compile(mode="reduce-overhead"): inductor captures the
+    step (pages, packed new tokens) in a CUDA graph and replays it; each replay equals an eager call
+    on the same inputs, lengths changed in place between steps. An append under capture is refused
+    with its reason (it checks positions on the host)."""
+    module = harness.load_target(load_spec("specs/causal.toml"), "triton_gpu")
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    heads, kv_heads, page_size, pages = 32, 8, 16, 512
+    k_cache, v_cache = (
+        torch.randn(pages, kv_heads, page_size, 128, device="cuda", generator=generator).bfloat16() for _ in range(2)
+    )
+    table = torch.randperm(pages, device="cuda", generator=generator).view(4, -1).int()
+    cu = torch.tensor([0, 1, 5, 6, 22], dtype=torch.int32, device="cuda")
+    q = torch.randn(22, heads, 128, device="cuda", generator=generator).bfloat16()
+    lens = torch.tensor([2000, 1500, 17, 900], dtype=torch.int32, device="cuda")
+
+    def step(q, lens):
+        return module.attention_with_kvcache(q, k_cache, v_cache, lens, block_table=table, cu_seqlens_q=cu)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    for _ in range(4):  # (warm-up, capture, replays)
+        lens += 7
+        assert torch.equal(compiled(q, lens).clone(), step(q, lens))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="appends only outside CUDA-graph capture"), torch.cuda.graph(graph):
+        module.attention_with_kvcache(
+            q, k_cache, v_cache, lens, k=q[:, :kv_heads], v=q[:, :kv_heads], block_table=table, cu_seqlens_q=cu
+        )
+
+
 def test_decoding_from_an_fp8_cache_on_the_gpu():
     """An FP8 paged cache (e4m3, a factor per sequence and kv head, as vLLM keeps it) against its
     true values (e4m3 times factor) in float64, ragged new tokens and splits on the H200."""

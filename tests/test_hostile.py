@@ -83,6 +83,9 @@ class Whitelist:
     words: frozenset[str]
 
 
+TORCH_OPS = ("fwd", "bwd", "fp8", "kvcache", "kvcache_append", "packing")  # a Triton module's custom ops, by suffix
+
+
 def whitelist(spec: Spec) -> Whitelist:
     """The spec-free names plus what the spec adds: params as the kernels prefix them (and a
     tensor's sizes and loader), its dtype (torch.<dtype>), the custom-op names derived from its
@@ -97,7 +100,7 @@ def whitelist(spec: Spec) -> Whitelist:
     op_names, trained = set(), set()
     for backend in TARGETS:
         plan = make_plan(spec, backend, spec_label(spec))
-        op_names |= {plan.op_name, f"{plan.op_name}_fwd", f"{plan.op_name}_bwd"}
+        op_names |= {plan.op_name, *(f"{plan.op_name}_{op}" for op in TORCH_OPS)}
         for g in plan.param_grads:  # a trained read's derivative helper, kernel arguments and sums
             trained |= {
                 *g.kernel_args,

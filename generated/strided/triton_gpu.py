@@ -1203,7 +1203,13 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seql
     """Write k and v, [batch, kv_heads, T_new, d] (or packed as q by cu_seqlens_q: [total_q, kv_heads,
     d]), at positions cache_seqlens[b] + t of each sequence's cache; returns the lengths with them.
     Checked first (one host sync): nothing is written past a sequence's pages, or into a page the
-    block table does not have."""
+    block table does not have. Refused under CUDA-graph capture, which cannot read the positions
+    (a write past the cache would not be caught)."""
+    if k_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "attention_with_kvcache appends only outside CUDA-graph capture (it checks the positions on the host):"
+            " write the new keys and values into the cache first, and call it without k and v"
+        )
     batch = cache_seqlens.shape[0]
     page_size = k_cache.shape[2]
     capacity = block_table.shape[1] * page_size if block_table is not None else page_size
@@ -1308,7 +1314,8 @@ def attention_with_kvcache(
         k, v: new keys and values to append first, [batch, kv_heads, T_new, 128] and [..., 128]
             (FlashAttention's flash_attn_with_kvcache): written into the caches in place at positions
             cache_seqlens[b] .. cache_seqlens[b] + T_new - 1, so that cache_seqlens counts the tokens
-            cached before them. An append past a sequence's pages raises, before anything is written.
+            cached before them. An append past a sequence's pages raises, before anything is written
+            (appends are refused under CUDA-graph capture, which cannot check them).
         block_table: int32 [batch, max_pages] (paged caches): the pages of each sequence, in order;
             an index past the pages reads the last page.
         cache_leftpad: int32 [batch] (FlashAttention's), left padding: sequence b is the cache's
@@ -1348,6 +1355,22 @@ def attention_with_kvcache(
     scalars, tensors = _check_params(params)
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(HEAD_DIM)
+    if torch.compiler.is_compiling():  # torch.compile traces the custom ops (no graph break), without autograd as eager
+        if _one_length(cache_seqlens):
+            cache_seqlens = torch.full((batch,), cache_seqlens, device=q.device, dtype=torch.int64).clamp(0, 2**31 - 1).int()
+        descales = [_number_as_tensor(x, q.device) for x in (k_descale, v_descale)]
+        with torch.no_grad():
+            if appended:
+                cache_seqlens = torch.ops.attngen.strided_c3a287b2aee3_kvcache_append(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
+            out, lse = torch.ops.attngen.strided_c3a287b2aee3_kvcache(
+                q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q, max_seqlen_q, *descales,
+                float(scale), num_splits, workspace, *scalars.values(), *tensors.values(),
+            )
+        if cu_seqlens_q is None:
+            (out,) = _as_bhsd(layout, out)
+        return (out, lse) if return_lse else out
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 and q.is_cuda and (torch.version.hip or _capability(q.device) < (8, 9)):
         gpu = torch.cuda.get_device_name(q.device)
@@ -1369,8 +1392,6 @@ def attention_with_kvcache(
     cache_seqlens = _cache_seqlens(cache_seqlens, q, batch)
     if appended:  # (after every check: a refused call writes nothing)
         cache_seqlens = _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
-    if scale is None:
-        scale = 1.0 / math.sqrt(HEAD_DIM)
     out, lse = _decode(
         q, k_cache, v_cache, cache_seqlens, None if cache_leftpad is None else cache_leftpad.contiguous(), block_table,
         cu_seqlens_q, descale, float(scale), [*scalars.values(), *tensors.values()], launch, workspace, return_lse,
@@ -2908,7 +2929,9 @@ def _sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-# torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors.
+# torch custom ops: opaque to torch.compile (no graph break), with autograd and fake tensors. Under
+# torch.compile every entry point runs through them; eager calls go around them (their dispatch
+# costs host time). The ops take a spec's params in _check_params' order, as the kernels do.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
 _OP = "strided_c3a287b2aee3"
@@ -2944,6 +2967,59 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+    @torch.library.custom_op(f"attngen::{_OP}_fp8", mutates_args=())
+    def _fp8_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: Optional[torch.Tensor],
+        k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], scale: float, param_stride: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+        return attention_fp8(q, k, v, **descales, scale=scale, return_lse=True, **_by_name([param_stride]))
+
+    @_fp8_op.register_fake
+    def _fp8_fake(q, k, v, q_descale, k_descale, v_descale, scale, param_stride):
+        return _output_like(q).to(DTYPE), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @torch.library.custom_op(f"attngen::{_OP}_kvcache", mutates_args=())
+    def _kvcache_op(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+        block_table: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+        max_seqlen_q: Optional[int], k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], scale: float,
+        num_splits: Optional[int], workspace: Optional[torch.Tensor], param_stride: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # (the workspace's counters are written, and left zero again: nothing to declare mutated)
+        return attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, block_table=block_table, cache_leftpad=cache_leftpad,
+            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, k_descale=k_descale, v_descale=v_descale, scale=scale,
+            return_lse=True, num_splits=num_splits, workspace=workspace, **_by_name([param_stride]),
+        )
+
+    @_kvcache_op.register_fake
+    def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q, *rest):
+        rows = tuple(q.shape[:3] if cu_seqlens_q is None else q.shape[:2])
+        lse_rows = rows if cu_seqlens_q is None else rows[::-1]  # (packed: [heads, total_q])
+        return q.new_empty((*rows, HEAD_DIM_V)), q.new_empty(lse_rows, dtype=torch.float32)
+
+    @torch.library.custom_op(f"attngen::{_OP}_kvcache_append", mutates_args=("k_cache", "v_cache"))
+    def _append_op(
+        k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+        k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        return _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
+
+    @_append_op.register_fake
+    def _append_fake(k_cache, v_cache, cache_seqlens, *rest):
+        return torch.empty_like(cache_seqlens)
+
+
+def _by_name(params):
+    """The spec's params by name, from the list the custom ops take (_check_params' order)."""
+    return dict(zip([*PARAMS], params))
+
+
+def _number_as_tensor(value, device):
+    """A number or tensor argument (a descale factor) as the custom ops take it: a tensor (None stays)."""
+    return value if value is None or isinstance(value, torch.Tensor) else torch.full((), float(value), device=device)
 
 
 class _Attention(torch.autograd.Function):
@@ -3029,7 +3105,12 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, sc
     scale, params = _checked_scale_and_params(q, k, v, scale, params, torch.float8_e4m3fn)
     if not scale >= 0:
         raise ValueError(f"attention_fp8 takes scale >= 0, got {scale}")
-    out, lse = _forward(q, k, v, scale, params, _fp8_descales(q.device, *k.shape[:2], q_descale, k_descale, v_descale))
+    if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break), without autograd as eager
+        descales = [_number_as_tensor(x, q.device) for x in (q_descale, k_descale, v_descale)]
+        with torch.no_grad():
+            out, lse = torch.ops.attngen.strided_c3a287b2aee3_fp8(q, k, v, *descales, scale, *params)
+    else:
+        out, lse = _forward(q, k, v, scale, params, _fp8_descales(q.device, *k.shape[:2], q_descale, k_descale, v_descale))
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
 
@@ -3089,7 +3170,10 @@ def attention_forward(q, k, v, *, scale=None, **params):
     (attngen.parallel) runs a row's keys block by block, merges the blocks' outputs by their LSEs,
     and gets each block's gradients from the merged out and lse.
     """
-    return _forward(q, k, v, *_checked_scale_and_params(q, k, v, scale, params))
+    scale, params = _checked_scale_and_params(q, k, v, scale, params)
+    if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
+        return torch.ops.attngen.strided_c3a287b2aee3_fwd(q, k, v, scale, *params)
+    return _forward(q, k, v, scale, params)
 
 
 def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, **params):
@@ -3097,7 +3181,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, **params):
     None: lse unused), and out and lse themselves: those of the whole row when k and v are one block
     of its keys (see attention_forward)."""
     lse = lse.contiguous()  # the kernels index it as [batch * heads, q_len] (a slice of a longer row is not)
-    return _backward(dout, dlse, q, k, v, out, lse, *_checked_scale_and_params(q, k, v, scale, params))
+    scale, params = _checked_scale_and_params(q, k, v, scale, params)
+    if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
+        return torch.ops.attngen.strided_c3a287b2aee3_bwd(dout, dlse, q, k, v, out, lse, scale, *params)
+    return _backward(dout, dlse, q, k, v, out, lse, scale, params)
 
 
 def _checked_scale_and_params(q, k, v, scale, params, dtype=DTYPE):
@@ -3173,8 +3260,9 @@ def _check_inputs(q, k, v, dtype=DTYPE):
 
 
 def _one_length(cache_seqlens):
-    """Whether cache_seqlens is an int, every sequence's length (a bool is refused)."""
-    return isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+    """Whether cache_seqlens is an int, every sequence's length (a bool is refused); under
+    torch.compile with dynamic shapes, a symbolic one (a key tensor's length)."""
+    return isinstance(cache_seqlens, (int, torch.SymInt)) and not isinstance(cache_seqlens, bool)
 
 
 _SEQLENS = {}  # (_stream_key, batch, length) -> int32 lengths: cache_seqlens given as an int (_cache_seqlens)
