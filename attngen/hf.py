@@ -64,6 +64,7 @@ def attention_function(module, params: dict[str, Any] | None = None, varlen=None
     fixed = dict(params or {})
     spec_params = {*module.PARAMS, *getattr(module, "TENSOR_PARAMS", {})}
     padding = _LeftPadding()
+    _register_left_padding_op()
 
     def attngen_attention(hf_module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         if dropout:
@@ -154,6 +155,8 @@ class _LeftPadding:
     def of(self, mask, kv_len):
         import torch
 
+        if torch.compiler.is_compiling():  # (the check reads the mask on the host: an op torch.compile keeps whole)
+            return torch.ops.attngen.left_padding(mask, kv_len)
         for kept, version, keys, starts in self._kept:
             if kept() is mask and mask._version == version and keys == kv_len:
                 return starts
@@ -162,7 +165,8 @@ class _LeftPadding:
                 f"a padding mask of shape {tuple(mask.shape)} for {kv_len} keys: attngen kernels take a 2-D mask"
             )
         tokens = mask.bool().int()
-        if not bool((tokens[:, 1:] >= tokens[:, :-1]).all()):  # (the host synchronisation)
+        capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()  # (a CUDA graph cannot read it)
+        if not capturing and not bool((tokens[:, 1:] >= tokens[:, :-1]).all()):  # (the host synchronisation)
             raise ValueError(
                 "attngen kernels take left padding only (a mask of zeros, then ones, per sequence) from a"
                 " cache, as transformers pads prompts for generation: pad on the left (tokenizer.padding_side"
@@ -174,16 +178,44 @@ class _LeftPadding:
         return starts
 
 
+def _register_left_padding_op():
+    """attngen::left_padding(mask, kv_len): _LeftPadding's starts as a torch op, so that torch.compile
+    traces a model's forward whole (fullgraph) around it; under CUDA-graph capture the mask is not
+    checked (the check reads it on the host)."""
+    import torch
+
+    if hasattr(torch.ops.attngen, "left_padding"):
+        return
+    checked = _LeftPadding()
+
+    # (the schema spelled out: this module's annotations are strings, which torch does not read)
+    @torch.library.custom_op("attngen::left_padding", mutates_args=(), schema="(Tensor mask, SymInt kv_len) -> Tensor")
+    def left_padding(mask, kv_len):
+        return checked.of(mask, kv_len).clone()  # (an op's output is its own: not the kept starts)
+
+    @left_padding.register_fake
+    def _(mask, kv_len):
+        return mask.new_empty(mask.shape[:1], dtype=torch.int32)
+
+
 def register(name: str, module, params: dict[str, Any] | None = None, varlen=None) -> str:
     """Register `module` as transformers attention `name` (params and varlen: attention_function's);
     returns `name` for `attn_implementation`.
 
     The mask function registered with it is transformers' own for FlashAttention-2: no mask at all
-    without padding, else the [batch, kv_len] padding mask (see the module doc).
+    without padding, else the [batch, kv_len] padding mask (see the module doc). Under torch.compile
+    the mask is kept either way: whether it pads is known only where it lives (FlashAttention-2's
+    function asks the device, which a whole graph cannot), and the kernels read no padding as none.
     """
+    import torch
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import flash_attention_mask
 
+    def padding_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
+        if attention_mask is not None and torch.compiler.is_compiling():
+            return attention_mask[:, -kv_length:]
+        return flash_attention_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
+
     AttentionInterface.register(name, attention_function(module, params, varlen))
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, padding_mask)
     return name

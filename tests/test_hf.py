@@ -181,6 +181,23 @@ def test_left_padded_prompts_generate_as_eager_attention_does(model_name, varlen
     )
 
 
+def test_generation_under_torch_compile_traces_each_step_whole():
+    """The model's forward under torch.compile(fullgraph=True), as compiled generation runs it (a
+    static cache, left-padded prompts): no graph break (the padding mask's check is an op, the
+    cache step attention_with_kvcache's ops), the same tokens and logits as eager attention."""
+    make, config, head_dim = CONFIGS["llama"]
+    name = attngen.hf.register("attngen_test_compiled", _causal(head_dim))
+    eager, ours = _models(make, config, name)
+    torch._dynamo.reset()
+    ours.forward = torch.compile(ours.forward, fullgraph=True, backend="aot_eager")
+    prompt = torch.randint(1, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0
+    _assert_generate_alike(
+        ours, eager, prompt.masked_fill(mask == 0, 0), mask, pad_token_id=0, cache_implementation="static"
+    )
+
+
 def test_a_cache_step_with_gradients_is_refused():
     attention = attngen.hf.attention_function(_causal(32))
     q = torch.randn(1, 2, 1, 32, requires_grad=True)
