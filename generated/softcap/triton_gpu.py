@@ -2985,12 +2985,14 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: Optional[torch.Tensor],
         k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], scale: float, param_softcap: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-        return attention_fp8(q, k, v, **descales, scale=scale, return_lse=True, **_by_name([param_softcap]))
+        return attention_fp8(
+            q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, scale=scale, return_lse=True,
+            **_by_name([param_softcap]),
+        )
 
     @_fp8_op.register_fake
     def _fp8_fake(q, k, v, q_descale, k_descale, v_descale, scale, param_softcap):
-        return _output_like(q).to(DTYPE), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return _output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)  # (in the spec's dtype)
 
     @torch.library.custom_op(f"attngen::{_OP}_kvcache", mutates_args=())
     def _kvcache_op(
