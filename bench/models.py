@@ -26,9 +26,12 @@ runs `attention`, each later token `attention_with_kvcache`):
 With `--padded`, the batch's prompts are of unequal length, left-padded as transformers pads them
 for generation (sequence b has b / (2 x batch) of the prompt as padding; attngen runs the prompt
 through the spec's packed module, attention_varlen, and each step through attention_with_kvcache
-with cache_leftpad).
+with cache_leftpad). With `--compiled`, every implementation generates from transformers' StaticCache
+with the model's forward under torch.compile(mode="reduce-overhead", fullgraph=True): each step
+traced whole (attngen's through its custom ops) and replayed as a CUDA graph, without the host time
+of eager calls.
 
-    python bench/models.py [--only gpt2-small,llama-style] [--steps 10] [--generate [--prompt 512] [--new-tokens 64] [--padded]]
+    python bench/models.py [--only gpt2-small,llama-style] [--steps 10] [--generate [--prompt 512] [--new-tokens 64] [--padded] [--compiled]]
 
 Prints a table last; writes results.json to $OUT (or ./bench-out).
 """
@@ -186,9 +189,10 @@ def cache_step_logits(m, prompt, mask, steps) -> torch.Tensor:
     return torch.stack(logits)
 
 
-def generation(model: Model, names: dict, prompt_len: int, new_tokens: int, padded: bool) -> dict:
+def generation(model: Model, names: dict, prompt_len: int, new_tokens: int, padded: bool, compiled: bool) -> dict:
     """Per implementation: the cache steps' logit error against float32 eager, and the new tokens/s
-    of greedy generation; padded: sequence b's prompt left-padded by b / (2 x batch) of it."""
+    of greedy generation; padded: sequence b's prompt left-padded by b / (2 x batch) of it;
+    compiled: from a static cache, the forward compiled and replayed as CUDA graphs."""
     generator = torch.Generator().manual_seed(2)
     prompt = torch.randint(1, model.config.vocab_size, (model.batch, prompt_len), generator=generator).cuda()
     steps = torch.randint(1, model.config.vocab_size, (model.batch, 16), generator=generator).cuda()
@@ -212,7 +216,11 @@ def generation(model: Model, names: dict, prompt_len: int, new_tokens: int, padd
                 "do_sample": False,
                 "pad_token_id": 0,
             }
-            m.generate(prompt, attention_mask=mask, **settings)  # warm-up: compiles the kernels
+            if compiled:
+                settings["cache_implementation"] = "static"
+                torch._dynamo.reset()
+                m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+            m.generate(prompt, attention_mask=mask, **settings)  # warm-up: compiles the kernels (and the graphs)
             torch.cuda.synchronize()
             start = time.perf_counter()
             out = m.generate(prompt, attention_mask=mask, **settings)
@@ -257,6 +265,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--padded", action="store_true", help="with --generate: left-padded prompts of unequal length")
+    parser.add_argument(
+        "--compiled", action="store_true", help="with --generate: a static cache, torch.compile, CUDA graphs"
+    )
     args = parser.parse_args()
     chosen = [m for m in MODELS if args.only is None or m.name in args.only.split(",")]
     out_dir = Path(os.environ.get("OUT", "bench-out"))
@@ -268,7 +279,7 @@ def main() -> None:
         "transformers": transformers.__version__,
     }
     if args.generate:
-        generation_table(chosen, args.prompt, args.new_tokens, args.padded, env, out_dir)
+        generation_table(chosen, args.prompt, args.new_tokens, args.padded, args.compiled, env, out_dir)
         return
     results = []
     for model in chosen:
@@ -292,18 +303,21 @@ def main() -> None:
         print(f"{r['model']:13} attngen within twice the peers' error: {r['agreement']['ok']}")
 
 
-def generation_table(chosen, prompt_len: int, new_tokens: int, padded: bool, env: dict, out_dir: Path) -> None:
+def generation_table(
+    chosen, prompt_len: int, new_tokens: int, padded: bool, compiled: bool, env: dict, out_dir: Path
+) -> None:
     """Each chosen model's generation(), then its table."""
     results = []
     for model in chosen:
-        run = generation(model, registered(model), prompt_len, new_tokens, padded)
+        run = generation(model, registered(model), prompt_len, new_tokens, padded, compiled)
         results.append({"model": model.name, "batch": model.batch, "prompt": prompt_len, "new_tokens": new_tokens})
-        results[-1]["padded"] = padded
+        results[-1] |= {"padded": padded, "compiled": compiled}
         results[-1]["generation"] = run
         print(f"{model.name}: {results[-1]}", flush=True)
         (out_dir / "results.json").write_text(json.dumps({"environment": env, "models": results}, indent=1))
     prompts = f"prompts of {prompt_len} left-padded by 0..1/2" if padded else f"prompts of {prompt_len}"
-    print(f"\n{env}\ngreedy generation, bf16 weights, DynamicCache: {prompts}, {new_tokens} new tokens")
+    cache = "StaticCache, torch.compile + CUDA graphs" if compiled else "DynamicCache"
+    print(f"\n{env}\ngreedy generation, bf16 weights, {cache}: {prompts}, {new_tokens} new tokens")
     print(f"{'model':13} {'batch':>5} {'impl':8} {'logits err':>10} {'tokens/s':>9} {'/sdpa':>6} {'/eager':>7}")
     for r in results:
         gen = r["generation"]["impls"]
