@@ -296,8 +296,9 @@ def _stream_buffer(device, name, n, new=torch.empty, dtype=torch.float32):
 def _kept_on_stream(table, kept, device, key, make):
     """make(), a tensor that calls only read, kept in `table` per stream (_stream_key) and key and
     shared by the eager calls, the oldest dropped past `kept`; fresh under CUDA-graph capture (made in
-    the graph's memory: a kept one, dropped later, would leave the graph reading freed memory)."""
-    stream = _stream_key(device)
+    the graph's memory: a kept one, dropped later, would leave the graph reading freed memory), and
+    where torch.compile traces the call (the graph makes its own)."""
+    stream = None if torch.compiler.is_compiling() else _stream_key(device)
     if stream is None:
         return make()
     key = (stream, *key)
@@ -1366,8 +1367,7 @@ def attention_with_kvcache(
     if scale is None:
         scale = 1.0 / math.sqrt(HEAD_DIM)
     if torch.compiler.is_compiling():  # torch.compile traces the custom ops (no graph break), without autograd as eager
-        if _one_length(cache_seqlens):
-            cache_seqlens = torch.full((batch,), cache_seqlens, device=q.device, dtype=torch.int64).clamp(0, 2**31 - 1).int()
+        cache_seqlens = _cache_seqlens(cache_seqlens, q, batch)
         descales = [_number_as_tensor(x, q.device) for x in (k_descale, v_descale)]
         with torch.no_grad():
             if appended:
