@@ -40,8 +40,11 @@ def _fix_interpreter_bf16():
     bits and hands those bits to numpy: to matmul (tl.dot) and to the arithmetic of binary operators
     (-x, x - y), so this module's kernels would return garbage, silently. Widen bf16 operands to
     float32 first (exact: bf16 is the top half of a float32); a bf16 arithmetic result is rounded
-    back to bf16 as the GPU would. It patches the interpreter of this process, once; compiled
-    kernels are untouched.
+    back to bf16 as the GPU would. And round a float32 converted to bf16 (P before its product with
+    V, the output) to the nearest, ties to even, as the GPU's conversion does: the interpreter drops
+    the low bits, so its outputs were up to an ulp off (1.2 ulp where the GPU's are within half of
+    one) and a fresh draw of the exactness rule failed. It patches the interpreter of this process,
+    once; compiled kernels are untouched.
     """
     import numpy as np
     from triton.runtime import interpreter
@@ -49,13 +52,25 @@ def _fix_interpreter_bf16():
     builder = interpreter.InterpreterBuilder
     if getattr(builder.create_dot, "_bf16_fixed", False):  # done already (by another generated module)
         return
-    original_dot, original_binary_op = builder.create_dot, builder.binary_op
+    original_dot, original_binary_op, original_cast = builder.create_dot, builder.binary_op, builder.cast_impl
 
     def widen(handle):
         if handle.dtype.scalar == tl.bfloat16:
             bits = handle.data.astype(np.uint32) << 16
             return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
         return handle
+
+    def to_bf16(data):
+        """float32 -> bf16 bits, rounded to the nearest (ties to even); NaN stays NaN."""
+        data = np.asarray(data, np.float32)
+        bits = data.view(np.uint32)
+        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(data), (bits >> 16).astype(np.uint16) | np.uint16(0x40), rounded)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(to_bf16(src.data), tl.bfloat16)
+        return original_cast(self, src, dst_type)
 
     def create_dot(self, a, b, d, *args):
         return original_dot(self, widen(a), widen(b), d, *args)
@@ -67,7 +82,7 @@ def _fix_interpreter_bf16():
         return self.cast_impl(result, tl.bfloat16)
 
     create_dot._bf16_fixed = True
-    builder.create_dot, builder.binary_op = create_dot, binary_op
+    builder.create_dot, builder.binary_op, builder.cast_impl = create_dot, binary_op, cast_impl
 
 
 if triton.knobs.runtime.interpret:  # TRITON_INTERPRET, as triton.jit reads it to interpret the kernels below
