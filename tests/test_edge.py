@@ -11,9 +11,12 @@ and 0 * NaN is NaN, as in FlashAttention).
 
 import numpy as np
 import pytest
+import torch
 
 from attngen import exactness
 from attngen.reference import attention_ref
+from attngen.spec import load_spec, retarget
+from attngen.testing import example_params
 from tests import harness
 from tests.strategies import FLOAT_PARAM, spec_toml
 
@@ -43,6 +46,37 @@ def test_empty_and_single_element_shapes(target, shape):
         harness.assert_grads_exact(spec, p, c, grads)
     if shape[3] == 0:  # no key at all
         assert (out == 0).all() and np.isneginf(lse).all() and all((g == 0).all() for g in grads)
+
+
+@pytest.mark.parametrize("target", harness.TARGETS)
+@pytest.mark.parametrize("name", ["document", "varlen"])
+@pytest.mark.parametrize("shape", [(0, 2, 5, 5), (1, 2, 0, 5), (1, 2, 5, 0), (1, 2, 0, 0)], ids=str)
+def test_empty_shapes_with_tensor_params_along_them(target, name, shape):
+    """Tensor params along the problem's axes ([batch, q_len], [batch, kv_len]: a packed batch's
+    sequence ids) are empty with them, and no element of them is read: the same answers as without
+    params (they were refused, so attention_varlen failed where every sequence had no query)."""
+    spec = retarget(load_spec(f"specs/{name}.toml"), 32, "float32")
+    sizes = dict(zip(("batch", "heads", "q_len", "kv_len"), shape))
+    params = example_params(name, *shape) if shape[0] else {}  # (its examples need a sequence: ids 0 for none)
+    params = params or {p.name: np.zeros([sizes[a] for a in p.shape], np.int32) for p in spec.params if p.is_tensor}
+    assert any(0 in value.shape for value in params.values())
+    run, run_grad = harness.TARGETS[target]
+    p = harness.make_problem(spec, *shape, seed=5, params=params)
+    out, lse = run(spec, p)
+    assert out.shape == p.q.shape and lse.shape == p.q.shape[:3]
+    grads = run_grad(spec, p, harness.make_cotangents(p, seed=5))
+    assert [g.shape for g in grads] == [p.q.shape, p.k.shape, p.v.shape]
+    if shape[3] == 0:  # no key at all
+        assert (out == 0).all() and np.isneginf(lse).all() and all((g == 0).all() for g in grads)
+
+
+def test_an_empty_tensor_param_along_its_own_axis_is_refused():
+    """A table whose axis is its own (not the problem's) would be read, clamped, past its end."""
+    spec = retarget(load_spec("specs/relative_bias.toml"), 32, "float32")
+    module = harness.load_target(spec, "triton_gpu")
+    q = torch.randn(1, 2, 8, spec.head_dim)
+    with pytest.raises(ValueError, match="param rel_bias is empty along"):
+        module.attention(q, q, q, rel_bias=torch.zeros(2, 0), max_dist=4)
 
 
 @pytest.mark.parametrize("target", harness.TARGETS)

@@ -89,6 +89,27 @@ def test_each_sequence_is_attended_on_its_own(target, name):
     assert_forward("float32", out.transpose(0, 1), lse, ref_out.transpose(0, 1), ref_lse)  # rows as the LSE's
 
 
+@pytest.mark.parametrize("target", ["triton_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("lengths_k", [[9, 3], [0, 0]])
+def test_a_batch_with_no_query_at_all(target, lengths_k):
+    """Every sequence without a query (total_q = 0; keys or none): an empty output, as FlashAttention
+    gives (the packing's [1, 0] tensors were refused as empty params)."""
+    spec = small("sliding_window")
+    module = harness.load_target(packed(spec), target)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(0, HEADS, DIM)
+    k, v = (torch.randn(sum(lengths_k), KV_HEADS, DIM, generator=g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32) for lengths in ([0, 0], lengths_k))
+    if target == "triton_gpu":
+        out, lse = module.attention_varlen(q, k, v, cu_q, cu_k, 0, max(lengths_k), return_lse=True, window=7)
+    else:
+        import jax.numpy as jnp
+
+        args = [jnp.asarray(x.numpy()) for x in (q, k, v, cu_q, cu_k)]
+        out, lse = module.attention_varlen(*args, return_lse=True, interpret=True, window=7)
+    assert tuple(out.shape) == (0, HEADS, DIM) and tuple(lse.shape) == (HEADS, 0)
+
+
 def test_gradients_flow_through_the_packed_tensors():
     spec = small("causal_bottom_right")
     module = harness.load_target(packed(spec), "triton_gpu")

@@ -985,6 +985,7 @@ def _check_params(params, q, sizes):
         if kind is int and not -(2**31) <= value < 2**31:
             raise ValueError(f"param {name} must fit in int32, got {value}")
         scalars[name] = kind(value)
+    problem_axes = set(sizes)  # batch, heads, q_len, ...: one of size 0 leaves no tile, no element read
     sizes = dict(sizes)  # a free axis name takes the size of its first tensor
     tensors = {}
     for name, (kind, axes) in TENSOR_PARAMS.items():
@@ -999,8 +1000,10 @@ def _check_params(params, q, sizes):
             raise TypeError(f"param {name} must be float32, float16 or bfloat16, got {value.dtype}")
         for size, axis in zip(value.shape, axes):
             wanted = axis if isinstance(axis, int) else sizes.setdefault(axis, size)
-            if size != wanted or size == 0:
+            if size != wanted:
                 raise ValueError(f"param {name} has shape {list(value.shape)}, declared [{', '.join(map(str, axes))}]: {axis} = {wanted}")
+            if size == 0 and axis not in problem_axes:
+                raise ValueError(f"param {name} is empty along {axis}: the spec's expressions read its elements")
         tensors[name] = value
     return scalars, tensors
 

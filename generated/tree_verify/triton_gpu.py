@@ -3329,6 +3329,7 @@ def _check_params(params, q, sizes):
         if kind is int and not -(2**31) <= value < 2**31:
             raise ValueError(f"param {name} must fit in int32, got {value}")
         scalars[name] = kind(value)
+    problem_axes = set(sizes)  # batch, heads, q_len, ...: one of size 0 leaves no tile, no element read
     sizes = dict(sizes)  # a free axis name takes the size of its first tensor
     tensors = {}
     for name, (kind, axes) in TENSOR_PARAMS.items():
@@ -3345,8 +3346,10 @@ def _check_params(params, q, sizes):
             raise ValueError(f"param {name} is on {value.device}, q on {q.device}")
         for size, axis in zip(value.shape, axes):
             wanted = axis if isinstance(axis, int) else sizes.setdefault(axis, size)
-            if size != wanted or size == 0:
+            if size != wanted:
                 raise ValueError(f"param {name} has shape {list(value.shape)}, declared [{', '.join(map(str, axes))}]: {axis} = {wanted}")
+            if size == 0 and axis not in problem_axes:
+                raise ValueError(f"param {name} is empty along {axis}: the spec's expressions read its elements")
         tensors[name] = value
     return scalars, tensors
 
