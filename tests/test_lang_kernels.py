@@ -1,7 +1,7 @@
 """The expression language's newer values in the kernels, both targets, forward and gradients
 against the float64 reference: scores of -inf (a FlexAttention score_mod's way to drop a key, up
-to whole rows), bool tensor params, sin / cos / tan / exp2 / log2, and expressions over several
-lines. (Parsing and typing them: test_lang.py.)"""
+to whole rows), bool tensor params, sin / cos / tan / exp2 / log2, expressions over several
+lines, and `not` of what is constant. (Parsing and typing them: test_lang.py.)"""
 
 import numpy as np
 import pytest
@@ -35,6 +35,31 @@ def bound_between_scores(q, k, quantile):
     scores = np.sort(np.unique(np.einsum("hqd,hkd->hqk", q, k).ravel() / np.sqrt(q.shape[-1])))
     i = int(quantile * (len(scores) - 1))
     return np.float32((scores[i] + scores[i + 1]) / 2)
+
+
+@pytest.mark.parametrize("target", ["triton", "pallas"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        "(not (w < w)) == (not (33 < 25))",  # true everywhere
+        "2 <= where(not (39 > 26), 30, q_idx)",  # q_idx >= 2
+        "(kv_idx <= q_idx) == (not (1 > 2))",  # causal
+    ],
+)
+def test_not_of_a_constant(target, mask):
+    """`not` of a comparison of constants, which the kernels fold to a bool as they trace: Triton's
+    `~` made ~False == -1, so the first mask was false everywhere and the second true (found by the
+    fuzzer: drawn specs, fresh draws)."""
+    params = {"w": 3} if "(w " in mask else {}
+    declared = '[params]\nw = "int"\n' if params else ""
+    spec = harness.spec_from_text(
+        f'name = "n"\nhead_dim = 32\ndtype = "float32"\n[mask]\nexpr = "{mask}"\n{declared}{BLOCKS}'
+    )
+    run, run_grad = harness.TARGETS[target]
+    p = harness.make_problem(spec, 1, 2, 37, 45, seed=2, params=params)
+    harness.assert_exact(spec, p, *run(spec, p))
+    c = harness.make_cotangents(p, seed=2)
+    harness.assert_grads_exact(spec, p, c, run_grad(spec, p, c))
 
 
 @pytest.mark.parametrize("target", ["triton", "pallas"])

@@ -531,7 +531,9 @@ TRITON_GPU = Backend(
             "max": "tl.maximum",
         },
         where="tl.where",
-        logical_not=lambda x: f"~{x}",
+        # (== 0, not ~: an operand the language folds to a Python bool at trace time, such as
+        # `not (33 < 25)`, would become ~False == -1, a true value that compares unequal to True)
+        logical_not=lambda x: f"({x} == 0)",
         to_float=lambda x: f"{x}.to(tl.float32)",
         floordiv="floordiv",  # helpers: Triton's // and % truncate toward zero
         floormod="floormod",
