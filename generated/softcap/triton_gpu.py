@@ -50,7 +50,7 @@ def _fix_interpreter_bf16():
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "_bf16_fixed", False):  # done already (by another generated module)
+    if getattr(builder.cast_impl, "_bf16_fixed", False):  # done already (by another generated module)
         return
     original_dot, original_binary_op, original_cast = builder.create_dot, builder.binary_op, builder.cast_impl
 
@@ -81,7 +81,7 @@ def _fix_interpreter_bf16():
         result = interpreter.TensorHandle(op(widen(lhs).data, widen(rhs).data).astype(np.float32), tl.float32)
         return self.cast_impl(result, tl.bfloat16)
 
-    create_dot._bf16_fixed = True
+    cast_impl._bf16_fixed = True  # (modules generated before the conversion was patched marked the matmul)
     builder.create_dot, builder.binary_op, builder.cast_impl = create_dot, binary_op, cast_impl
 
 
