@@ -53,11 +53,11 @@ def test_empty_and_single_element_shapes(target, shape):
 @pytest.mark.parametrize("shape", [(0, 2, 5, 5), (1, 2, 0, 5), (1, 2, 5, 0), (1, 2, 0, 0)], ids=str)
 def test_empty_shapes_with_tensor_params_along_them(target, name, shape):
     """Tensor params along the problem's axes ([batch, q_len], [batch, kv_len]: a packed batch's
-    sequence ids) are empty with them, and no element of them is read: the same answers as without
-    params (they were refused, so attention_varlen failed where every sequence had no query)."""
+    sequence ids) are empty with them, and no element of them is read: empty outputs, or 0 / -inf
+    where no key is (they were refused, so attention_varlen failed where no sequence had a query)."""
     spec = retarget(load_spec(f"specs/{name}.toml"), 32, "float32")
     sizes = dict(zip(("batch", "heads", "q_len", "kv_len"), shape))
-    params = example_params(name, *shape) if shape[0] else {}  # (its examples need a sequence: ids 0 for none)
+    params = example_params(name, *shape) if shape[0] else {}  # (varlen's examples need a sequence)
     params = params or {p.name: np.zeros([sizes[a] for a in p.shape], np.int32) for p in spec.params if p.is_tensor}
     assert any(0 in value.shape for value in params.values())
     run, run_grad = harness.TARGETS[target]
