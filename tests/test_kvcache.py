@@ -18,6 +18,7 @@ from attngen.spec import load_spec, retarget, with_config
 from attngen.testing import example_params
 from tests import harness
 from tests.strategies import exact_specs
+from tests.test_fuzz import examples
 
 # Specs whose params make sense at any cache position (varlen packs several sequences in one row).
 SPECS = [
@@ -220,26 +221,26 @@ def check_spec(spec, params: dict, p: dict, target: str):
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
-@settings(max_examples=3)
+@settings(max_examples=examples(3, share=0.05))
 @given(p=problems())
 def test_kvcache_matches_attention_over_the_whole_sequence(spec_name, p):
     check(spec_name, p)
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
-@settings(max_examples=1)
+@settings(max_examples=examples(1, share=0.005))
 @given(p=problems())
 def test_pallas_kvcache_matches_attention_over_the_whole_sequence(spec_name, p):
     """The same problems in TPU interpret mode (one a spec: each shape compiles its own kernel)."""
     check(spec_name, p, "pallas_tpu")
 
 
-@pytest.mark.parametrize("target, examples", [("triton_gpu", 6), ("pallas_tpu", 2)])
-def test_drawn_specs_decode_exactly(target, examples):
+@pytest.mark.parametrize("target, count", [("triton_gpu", 6), ("pallas_tpu", 2)])
+def test_drawn_specs_decode_exactly(target, count):
     """Specs drawn as tests/test_fuzz.py draws them (masks and scores of the language, sinks, head
     dims 16-64), on drawn decode problems: the tile bounds of masks no spec of specs/ has."""
 
-    @settings(max_examples=examples, deadline=None)
+    @settings(max_examples=examples(count, share=0.01), deadline=None)
     @given(drawn=exact_specs(), p=problems())
     def decode(drawn, p):
         spec = harness.spec_from_text(drawn.text)
