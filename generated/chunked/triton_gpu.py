@@ -271,15 +271,21 @@ def _specialization(args):
     return tuple(key)
 
 
+def _capturing(device):
+    """Whether a CUDA graph is capturing `device`'s current stream: then nothing may be read on the
+    host, and nothing kept for later calls."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _stream_key(device):
     """The key of buffers that eager calls on `device`'s current stream keep and share across calls
     (launches on one stream run one after another): (device, the stream's handle; None on the CPU).
     None under CUDA-graph capture, where a call takes fresh ones: a graph may outlive what is kept
     and be replayed on any stream."""
+    if _capturing(device):
+        return None
     if device.type != "cuda":
         return device, None
-    if torch.cuda.is_current_stream_capturing():
-        return None
     # (the stream's handle as Inductor's generated code reads it: torch.cuda.current_stream builds a
     # Stream object, ~5 us)
     return device, torch._C._cuda_getCurrentRawStream(device.index)
@@ -1221,7 +1227,7 @@ def _append_to_cache(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seql
     Checked first (one host sync): nothing is written past a sequence's pages, or into a page the
     block table does not have. Refused under CUDA-graph capture, which cannot read the positions
     (a write past the cache would not be caught)."""
-    if k_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+    if _capturing(k_cache.device):
         raise RuntimeError(
             "attention_with_kvcache appends only outside CUDA-graph capture (it checks the positions on the host):"
             " write the new keys and values into the cache first, and call it without k and v"
@@ -1429,7 +1435,7 @@ def _ragged_tokens(cu_seqlens_q, total_q):
     the layers of one decoding step, which share one, synchronise once, not once a layer. None
     under CUDA-graph capture, which cannot read them: the kernel then clamps them into q (it reads
     and writes nothing outside it; rows it cannot place are left unwritten)."""
-    if cu_seqlens_q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(cu_seqlens_q.device):
         return None
     for kept, version, total, longest in _RAGGED_CHECKED:
         if kept() is cu_seqlens_q and cu_seqlens_q._version == version and total == total_q:
