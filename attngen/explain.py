@@ -108,11 +108,13 @@ class _Rows:
 # What each kernel computes, by the stem of its name in the backends' KERNELS (fwd_sm90 is a
 # forward, bwd_dkdv_sm90 a dK/dV kernel). A kernel of another stem fails loudly (kind_of) rather
 # than being costed as something it is not.
-KINDS = {"fwd": "forward", "bwd_dq": "dq", "bwd_dkdv": "dkdv", "decode": "decode"}
+KINDS = {"fwd": "forward", "bwd_dq": "dq", "bwd_dkdv": "dkdv", "bwd_fused": "fused", "decode": "decode"}
+# A kernel that does the work of several kinds: the fused backward, a dQ and a dK/dV kernel's.
+SERVES = {"fused": ("dq", "dkdv")}
 
 
 def kind_of(kernel: Kernel) -> str:
-    """What `kernel` computes: "forward", "dq", "dkdv" or "decode"."""
+    """What `kernel` computes: "forward", "dq", "dkdv", "fused" (dq's and dkdv's work) or "decode"."""
     stems = [s for s in KINDS if kernel.name == s or kernel.name.startswith(f"{s}_")]
     if not stems:
         raise KeyError(f"attngen.explain does not know what kernel {kernel.name!r} computes: add it to KINDS")
@@ -127,6 +129,7 @@ def pair_flops(kind: str, head_dim: int, head_dim_v: int) -> int:
         "decode": 2 * d + 2 * dv,
         "dq": 2 * d + 2 * dv + 2 * d,  # S again, dP = dO V^T, dQ += dS K
         "dkdv": 2 * d + 2 * dv + 2 * dv + 2 * d,  # S, dP, dV += P^T dO, dK += dS^T Q
+        "fused": 2 * d + 2 * dv + 2 * dv + 2 * d + 2 * d,  # dkdv's and dQ += dS K
     }[kind]
 
 
@@ -379,6 +382,9 @@ def _cost(kind: str, spec: Spec, problem: Problem, runs: np.ndarray, visible: in
     else:  # dkdv, per kv block of a kv head: K, V once; per tile of each of its query heads: Q, dO, LSE, delta
         read = b * problem.groups * kv * (d + dv) * item + queries_visited * ((d + dv) * item + 2 * lse)
         written = b * problem.groups * kv * (d + dv) * item
+        if kind == "fused":  # and before it delta from O and dO; per tile dQ's float32 share added; dQ converted
+            read += b * h * q * 2 * dv * item + b * h * q * d * 4
+            written += b * h * q * lse + queries_visited * d * 4 + b * h * q * d * item
     return Cost(
         flops_done=float(visited.sum()) * tile_flops,
         flops_dense=float(runs.size) * tile_flops,
@@ -486,6 +492,7 @@ def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...
     compute capability when it is on and the call's programs are not short (sm90_forward_min_keys),
     else the short-sequence forward up to short_kv_len keys, else the plain kernel."""
     config = ex.spec.config(ex.target)
+    fused_names = set()  # the chosen kernels that serve several kinds
 
     def why_not(kernel: Kernel) -> str | None:
         if kernel.capabilities and chip.capability not in kernel.capabilities:
@@ -503,17 +510,26 @@ def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...
         return None
 
     chosen, skipped = {}, {}
-    preference = lambda k: (not k.capabilities, not k.enabled_by)  # the most specialised first
+    # The most specialised first, a kernel serving several kinds before each of theirs.
+    preference = lambda k: (not k.capabilities, not k.enabled_by, kind_of(k) not in SERVES)
     for kernel in sorted((m.kernel for m in ex.maps.values()), key=preference):
         kind = kind_of(kernel)
         if kind in chosen:
             skipped[kernel.name] = f"{chosen[kind]} serves this call"
             if kind == "dq" and ex.spec.grad_params and not kernel.capabilities:  # (_backward's rule)
                 skipped[kernel.name] += ", and every call whose [grad] params want gradients (it gathers them)"
+            if chosen[kind] in fused_names and kernel.capabilities:  # (_backward's rule)
+                trained = " or one whose [grad] params want gradients" if ex.spec.grad_params and kind == "dkdv" else ""
+                skipped[kernel.name] += (
+                    f"; a deterministic call (torch.use_deterministic_algorithms){trained} runs this one"
+                )
         elif (reason := why_not(kernel)) is not None:
             skipped[kernel.name] = reason
         else:
-            chosen[kind] = kernel.name
+            for served in SERVES.get(kind, (kind,)):
+                chosen[served] = kernel.name
+            if kind in SERVES:
+                fused_names.add(kernel.name)
     launched = tuple(name for name in ex.maps if name in chosen.values())
     return launched, {name: skipped[name] for name in ex.maps if name in skipped}
 

@@ -16,7 +16,8 @@ candidate in turn, in the opposite order every other round. The table's own conf
 is always among the candidates, and a winner replaces it only by more than MIN_GAIN, the spread of
 timing the same kernel. --kernel limits the search to the kernels named.
 The three kernels are tuned one after the other (forward alone; dQ with the table's dK/dV; dK/dV
-with the best dQ), which keeps the search linear in the size of each space.
+with the best dQ), which keeps the search linear in the size of each space; on Hopper the fused
+backward last, alone.
 On a Hopper GPU the Gluon kernels are searched too (their tile height is fixed by wgmma: the
 block they step over and the depth of their ring), each with the other Hopper kernel on; the
 Triton forward and dK/dV kernels they replace there are tuned with the Hopper kernels off (the
@@ -55,7 +56,7 @@ from attngen.timing import ROUNDS, in_rounds
 # The training family: the forward kernels are timed alone, the others with the whole backward.
 TUNED_KERNELS = tuple(k for k in KERNELS if k.family == "training")
 FORWARD_KERNELS = ("fwd", "fwd_short", "fwd_sm90")
-HOPPER_SWITCHES = tuple(sorted({k.enabled_by for k in KERNELS if k.capabilities}))  # sm90_forward, _backward, _dq, _fp8
+HOPPER_SWITCHES = tuple(sorted({k.enabled_by for k in KERNELS if k.capabilities}))  # sm90_forward, _backward, _dq, ...
 TOKENS = 16384  # batch * seq of every timed shape, as in the benchmark grid
 MIN_GAIN = 0.02  # a winner's speed over the table's configuration that is more than noise
 
@@ -159,10 +160,13 @@ def tune(
                     log(f"  {kernel.name}: no length to tune at (short_kv_len = {config.short_kv_len}); kept")
                     continue
                 # A Gluon kernel is timed with the Hopper kernels as the module runs them; a Triton
-                # kernel with them off, else a Hopper kernel would run in its place.
+                # kernel with them off, else a Hopper kernel would run in its place. The fused
+                # backward is on for its own search only: in the others it would serve the backward
+                # in place of the dQ and dK/dV kernels.
                 hopper = {
                     switch: getattr(config, switch) if kernel.language == "gluon" else 0 for switch in HOPPER_SWITCHES
                 }
+                hopper["sm90_fused_backward"] &= kernel.enabled_by == "sm90_fused_backward"
                 # The table's candidate is always timed, so that a winner has beaten it (--quick's
                 # space may not hold it).
                 space = list(dict.fromkeys([Candidate.of(kernel, config), *search_space(kernel, quick)]))

@@ -4,7 +4,9 @@ Rows: the grid of bench/speed.py (causal and full, bf16, D = 64 / 128, N = 1k / 
 16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k (a full bias at 4k, its
 tensor growing as N²). Each row times the forward and forward + backward of: ours with the Hopper
 kernels ("sm90": the Gluon forward, dQ and dK/dV kernels where they serve the call, as a spec's
-sm90_forward_min_keys sends short programs to the Triton forward), the same module with them turned
+sm90_forward_min_keys sends short programs to the Triton forward; the fused backward where the
+module builds it), the same with the dQ and dK/dV kernels in place of the fused backward ("split":
+SM90_FUSED_BACKWARD = 0, what deterministic calls run), the same module with the Hopper kernels turned
 off ("triton": SM90_FORWARD = SM90_DQ = SM90_BACKWARD = 0 around the whole timed call, the Triton
 kernels alone), and the peers -- SDPA's cuDNN and FlashAttention-2 backends where they express the
 mask, else compiled FlexAttention. Before timing, each of our two forwards is checked against
@@ -52,7 +54,7 @@ from attngen.timing import median_ms, medians
 
 ROOT = Path(__file__).resolve().parent.parent
 MASK_ROWS = ("sliding_window", "prefix_lm", "document", "chunked", "alibi_slopes", "relative_bias", "bias")
-IMPLS = ("sm90", "triton", "cuDNN", "FA2", "Flex")
+IMPLS = ("sm90", "split", "triton", "cuDNN", "FA2", "Flex")
 
 
 def switched_time(switch, fn) -> float:
@@ -84,6 +86,8 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool, graphs: bool) 
     spec = retarget(load_spec(ROOT / "specs" / f"{case.spec}.toml"), head_dim, "bfloat16")
     if sm90_everywhere:  # also where the defaults leave them out (head dims of 64), to measure them there
         spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1, sm90_dq=1)
+    if spec.config("triton_gpu").sm90_backward and head_dim <= 128:  # (the fused backward, where it can run)
+        spec = with_config(spec, "triton_gpu", sm90_fused_backward=1)
     module = load(spec, "triton_gpu")
     q, k, v, dout = (
         torch.randn(row.batch, row.heads, seq, head_dim, device=device, dtype=torch.bfloat16) for _ in range(4)
@@ -93,14 +97,16 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool, graphs: bool) 
     impls = {}
 
     # 0 where the spec's config leaves a Hopper kernel out of the module.
-    built = {switch: getattr(module, switch) for switch in ("SM90_FORWARD", "SM90_DQ", "SM90_BACKWARD")}
+    switches = ("SM90_FORWARD", "SM90_DQ", "SM90_BACKWARD", "SM90_FUSED_BACKWARD")
+    built = {switch: getattr(module, switch, 0) for switch in switches}
+    off = {"sm90": (), "split": ("SM90_FUSED_BACKWARD",), "triton": switches}
 
     @contextlib.contextmanager
-    def kernels(sm90: bool):
-        """Ours with the Hopper kernels that the module builds, or with the Triton kernels alone:
+    def kernels(name: str):
+        """Ours with the Hopper kernels that the module builds, less those `off[name]` turns off:
         around the whole timed call, so that the backward runs the same kernels as the forward."""
         for switch, value in built.items():
-            setattr(module, switch, value if sm90 else 0)
+            setattr(module, switch, 0 if switch in off[name] else value)
         try:
             yield
         finally:
@@ -108,13 +114,13 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool, graphs: bool) 
                 setattr(module, switch, value)
 
     checks, switched = {}, {}
-    for name, sm90 in (("sm90", True), ("triton", False)):
-        if sm90 and not any(built.values()):
+    for name in off:
+        if name == "sm90" and not any(built.values()) or name == "split" and not built["SM90_FUSED_BACKWARD"]:
             continue
-        with kernels(sm90):
+        with kernels(name):
             checks[name] = exact(spec, module, case, row)
         impls[name] = lambda *qkv: module.attention(*qkv, **params)
-        switched[name] = functools.partial(kernels, sm90)
+        switched[name] = functools.partial(kernels, name)
     if case.sdpa:
         for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("FA2", SDPBackend.FLASH_ATTENTION)):
 
@@ -193,12 +199,14 @@ def main() -> None:
         print(f"[{i + 1}/{len(plan)}] {results[-1]['row']}: {results[-1]['ms']}", flush=True)
         (out_dir / "results.json").write_text(json.dumps({"environment": env, "rows": results}, indent=1))
     print(f"\n{env}\nms (median), and ours ÷ peer in speed (>1: ours faster); ours = sm90 where it runs")
-    print(f"{'row':44} {'mode':13} " + " ".join(f"{i:>7}" for i in IMPLS) + "  /triton  /cuDNN    /FA2   /Flex")
+    print(
+        f"{'row':44} {'mode':13} " + " ".join(f"{i:>7}" for i in IMPLS) + "   /split  /triton  /cuDNN    /FA2   /Flex"
+    )
     modes = ("fwd", "fwd_bwd", "fwd_graph", "fwd_bwd_graph") if args.graphs else ("fwd", "fwd_bwd")
     for r in results:
         for mode in modes:
             cells = " ".join(f"{r['ms'][i][mode]:7.3f}" if mode in r["ms"].get(i, {}) else f"{'–':>7}" for i in IMPLS)
-            ratios = " ".join(f"{ratio(r['ms'], mode, p):>7}" for p in ("triton", "cuDNN", "FA2", "Flex"))
+            ratios = " ".join(f"{ratio(r['ms'], mode, p):>7}" for p in ("split", "triton", "cuDNN", "FA2", "Flex"))
             print(f"{r['row']:44} {mode:13} {cells}  {ratios}")
     if args.graphs:
         print(

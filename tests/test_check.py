@@ -51,7 +51,14 @@ def test_specs_compile_for_every_target(spec_file, group):
         targets = tuple(t for t in targets if t in EVERY_SPEC_TARGETS)
         if group == "gpu":
             spec = with_config(
-                spec, "triton_gpu", sm90_forward=0, sm90_backward=0, sm90_dq=0, sm90_fp8=0, short_kv_len=0
+                spec,
+                "triton_gpu",
+                sm90_forward=0,
+                sm90_backward=0,
+                sm90_dq=0,
+                sm90_fp8=0,
+                sm90_fused_backward=0,
+                short_kv_len=0,
             )
     elif group == "gpu":  # (also where a spec's defaults leave them out)
         spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1, sm90_dq=1, sm90_fp8=1)

@@ -13,7 +13,7 @@ from attngen.analysis.tiles import TileBounds
 from attngen.backends import TARGETS
 from attngen.cli import main
 from attngen.explain import EMPTY, FULL, PARTIAL, Problem, explain, kind_of, render, write_png
-from attngen.spec import load_spec, with_config
+from attngen.spec import load_spec, retarget, with_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.toml"))
@@ -142,9 +142,9 @@ def test_an_unsound_bound_is_reported(monkeypatch):
 def test_every_kernel_has_a_kind():
     for target in TARGETS:
         for kernel in target.kernels:
-            assert kind_of(kernel) in ("forward", "dq", "dkdv", "decode")
+            assert kind_of(kernel) in ("forward", "dq", "dkdv", "fused", "decode")
     with pytest.raises(KeyError, match="KINDS"):
-        kind_of(replace(TARGETS[0].kernels[0], name="bwd_fused"))
+        kind_of(replace(TARGETS[0].kernels[0], name="bwd_dlse"))
 
 
 def test_cli_prints_and_writes(tmp_path, capsys):
@@ -190,11 +190,29 @@ def test_explain_picks_the_forward_a_window_takes_on_hopper():
     assert long.launched[0] == "fwd_sm90"
 
 
-def test_explain_says_which_dq_kernel_gathers_trained_params_gradients():
-    """On Hopper the Gluon dQ kernel serves a call, and the Triton one a call whose [grad] params
-    want gradients (the generated module's _backward)."""
-    ex = explain(load_spec(ROOT / "specs/alibi_slopes.toml"), Problem(1024, 1024), accelerator="h200")
-    assert "bwd_dq_sm90" in ex.launched
-    assert ex.not_launched["bwd_dq"].endswith("every call whose [grad] params want gradients (it gathers them)")
-    plain = explain(load_spec(ROOT / "specs/causal.toml"), Problem(1024, 1024), accelerator="h200")
-    assert plain.not_launched["bwd_dq"] == "bwd_dq_sm90 serves this call"
+def test_explain_says_which_backward_kernels_serve_which_calls():
+    """On Hopper the fused backward, where a spec takes it, serves a call (it does the dQ and the dK/dV
+    kernels' work: both costed as one), the Gluon dQ and dK/dV kernels a deterministic call, and the
+    Triton dQ kernel a call whose [grad] params want gradients (the generated module's _backward)."""
+    fused = {
+        name: with_config(load_spec(ROOT / f"specs/{name}.toml"), "triton_gpu", sm90_fused_backward=1)
+        for name in ("alibi_slopes", "causal")
+    }
+    ex = explain(fused["alibi_slopes"], Problem(1024, 1024), accelerator="h200")
+    assert "bwd_fused_sm90" in ex.launched and "bwd_dq_sm90" not in ex.launched
+    assert ex.not_launched["bwd_dq"] == (
+        "bwd_fused_sm90 serves this call, and every call whose [grad] params want gradients (it gathers them)"
+    )
+    deterministic = "bwd_fused_sm90 serves this call; a deterministic call (torch.use_deterministic_algorithms)"
+    assert ex.not_launched["bwd_dq_sm90"] == f"{deterministic} runs this one"
+    assert (
+        ex.not_launched["bwd_dkdv_sm90"] == f"{deterministic} or one whose [grad] params want gradients runs this one"
+    )
+    plain = explain(fused["causal"], Problem(1024, 1024), accelerator="h200")
+    assert plain.not_launched["bwd_dq"] == "bwd_fused_sm90 serves this call"
+    # Where it is off (heads of 256 cannot take it), the dQ and dK/dV kernels serve every call.
+    wide = explain(
+        retarget(load_spec(ROOT / "specs/causal.toml"), 256, "bfloat16"), Problem(1024, 1024), accelerator="h200"
+    )
+    assert {"bwd_dq_sm90", "bwd_dkdv_sm90"} <= set(wide.launched)
+    assert wide.not_launched["bwd_fused_sm90"] == "off (sm90_fused_backward = 0)"

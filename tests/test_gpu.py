@@ -117,17 +117,22 @@ def test_pointer_tiles_on_the_gpu(name, monkeypatch):
     _assert_exact(spec, params, (q, k, v, dout), out, lse, grads)
 
 
+@pytest.mark.parametrize("backward", ["fused", "split"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(p.stem for p in Path("specs").glob("*.toml")))
-def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
-    """The Gluon forward, dQ and dK/dV kernels on an sm90 GPU, with grouped kv heads and odd tails; the
-    Triton kernels of the same module, in the same run, must not be much more exact than them."""
+def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype, backward):
+    """The Gluon forward and backward kernels on an sm90 GPU, with grouped kv heads and odd tails: the
+    fused backward, or the dQ and dK/dV kernels (which deterministic calls take); the Triton kernels
+    of the same module, in the same run, must not be much more exact than them."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm90 GPUs only")
     # Built also where the defaults leave them out (heads of 64), and serving short programs too.
     spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), dtype)
-    spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1, sm90_dq=1, sm90_forward_min_keys=0)
-    module = harness.load_target(spec, "triton_gpu")
+    fused = backward == "fused"
+    if fused and max(spec.head_dim, spec.value_dim) > 128:
+        pytest.skip("heads wider than 128 build no fused backward")
+    hopper = {"sm90_forward": 1, "sm90_backward": 1, "sm90_dq": 1, "sm90_fused_backward": int(fused)}
+    module = harness.load_target(with_config(spec, "triton_gpu", sm90_forward_min_keys=0, **hopper), "triton_gpu")
     q, k, v, dout, params = _grouped_problem(spec, name)
     assert all(module._runs_sm90(q, switch) for switch in (module.SM90_FORWARD, module.SM90_BACKWARD, module.SM90_DQ))
 
@@ -144,6 +149,34 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype):
     for ours, theirs, ref in zip((out, *grads), (triton_out, *triton_grads), (ref_out, *ref_grads), strict=True):
         error = (ours.double() - ref).abs().max().item()
         assert error <= 2 * (theirs.double() - ref).abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "sinks"])
+def test_the_fused_backward_and_its_deterministic_alternative(name):
+    """The fused Hopper backward with a gradient for lse as well as for out (its delta, rowsum(dO O) -
+    dLSE, from a kernel of its own), against float64 and no less exact than the split kernels;
+    under torch.use_deterministic_algorithms the split kernels serve, the same bits in two runs."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
+    module = harness.load_target(with_config(spec, "triton_gpu", sm90_fused_backward=1), "triton_gpu")
+    q, k, v, dout, params = _grouped_problem(spec, name)
+    dlse = torch.randn(q.shape[:3], device=q.device, generator=torch.Generator(q.device).manual_seed(3))
+
+    def grads(fn, *inputs):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        out, lse = fn(*leaves)
+        return torch.autograd.grad((out, lse), leaves, (dout.to(out.dtype), dlse.to(lse.dtype)))
+
+    ref = grads(lambda *x: attention_ref_torch(spec, *x, dtype=torch.float64, **params), q, k, v)
+    ours = lambda *x: module.attention(*x, return_lse=True, **params)
+    fused = grads(ours, q, k, v)
+    with torch.use_deterministic_algorithms(True):  # (the split kernels take it from here)
+        split, again = grads(ours, q, k, v), grads(ours, q, k, v)
+    for g_fused, g_split, g_again, g_ref in zip(fused, split, again, ref, strict=True):
+        assert torch.equal(g_split, g_again)
+        error = (g_fused.double() - g_ref).abs().max().item()
+        assert 0 < error <= 2 * (g_split.double() - g_ref).abs().max().item() + 1e-6
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in Path("specs").glob("*.toml")))
@@ -174,7 +207,8 @@ def test_the_hopper_forward_of_192_queries_is_exact_for_every_spec(name, monkeyp
     [("causal", None), ("document", None), ("value_dim", None), ("sinks", None), ("full", 256), ("document", 256)],
 )
 @pytest.mark.parametrize("dynamic", [0, 1], ids=["static", "dynamic"])
-def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim, dynamic, monkeypatch):
+@pytest.mark.parametrize("backward", ["fused", "split"])
+def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim, dynamic, backward, monkeypatch):
     """The persistent Hopper kernels: the forward (bf16 and FP8), dQ and dK/dV kernels, each program
     taking every 5th tile or the next from the counter, launched as if on a GPU of 5 SMs so that each
     program walks some 13 (forward, dQ) or 10 (dK/dV) tiles: tiles handed to the consumers, Q's
@@ -183,12 +217,16 @@ def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim,
     read per tile; the dynamic walk in L2 sections of 6 (batch, head) pairs (forward and dQ, the last
     one short) and of 2 units (dK/dV). Heads wider than 128 (value_dim's 192 too) take a dK/dV kernel
     of 64 keys a program, and heads of 256 a dQ kernel of 64 queries a program, whose two consumers
-    split the columns of dK and dV, or of dQ."""
+    split the columns of dK and dV, or of dQ. The fused backward (heads up to 128) walks the dK/dV
+    kernel's tiles, its dQ sums added up in whatever order they come."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm90 GPUs only")
     spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
     spec = retarget(spec, head_dim, spec.dtype) if head_dim else spec
-    spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_forward_min_keys=0)
+    fused = backward == "fused"
+    if fused and max(spec.head_dim, spec.value_dim) > 128:
+        pytest.skip("heads wider than 128 build no fused backward")
+    spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_forward_min_keys=0, sm90_fused_backward=int(fused))
     module = harness.load_target(spec, "triton_gpu")
     assert module.SM90_BACKWARD and module.SM90_DQ
     assert module.SM90_DKDV_BLOCK_N == (64 if max(module.BLOCK_D, module.BLOCK_DV) > 128 else 128)
@@ -214,11 +252,14 @@ def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim,
     assert_forward(FP8, *results)
     # The counter walk's kernels (forward, dQ, dK/dV, FP8 forward) share one kept counter on this
     # stream: each launch's last take zeroes it, so the next starts from tile 0 (a shorter call's
-    # tiles too, where the params allow one), with the same bits.
+    # tiles too, where the params allow one), with the same bits (but the fused backward's dQ, whose
+    # float32 sums come in any order: within a few of its ulps).
     for _ in range(2):
         assert not any(counters.any() for counters in _kept_counters(module))
         again = _out_and_grads(lambda *x: module.attention(*x, return_lse=True, **params), q, k, v, dout)
-        assert all(torch.equal(a, b) for a, b in zip((out, lse, *grads), (again[0], again[1], *again[2])))
+        assert all(torch.equal(a, b) for a, b in zip((out, lse, *grads[1:]), (again[0], again[1], *again[2][1:])))
+        dq, dq_again = grads[0].float(), again[2][0].float()
+        assert torch.equal(dq, dq_again) or fused and (dq - dq_again).abs().max() <= 4 * 2**-8 * dq.abs().max()
         if not params:
             module.attention(q[:, :, :300], k[:, :, :300], v[:, :, :300])
 

@@ -1,4 +1,4 @@
-"""The Hopper kernels (Gluon, sm90): the forward, the dQ and the dK/dV kernel. Triton's interpreter cannot
+"""The Hopper kernels (Gluon, sm90): the forward, the dQ and dK/dV kernels, the fused backward. Triton's interpreter cannot
 run Gluon, so on a CPU they are compiled for sm_90a and their structure read from the PTX;
 tests/test_gpu.py proves them exact on an H200. Their config keys are checked like the others."""
 
@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from attngen.backends.triton_gpu import SM90_FUSED_BY_DEFAULT
 from attngen.errors import SpecError
 from attngen.spec import load_spec, packed, parse_spec, retarget, with_config
 from tests import harness
@@ -30,10 +31,16 @@ print(json.dumps({
     "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
     "local": ptx.count("ld.local") + ptx.count("st.local"),
     "atomics": ptx.count("atom.global"),
+    "tma_reductions": ptx.count("cp.reduce.async.bulk.tensor"),
 }))
 """
 
-HOPPER_KERNELS = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90")  # each persistent by default: it walks tiles
+HOPPER_KERNELS = (
+    "fwd_sm90",
+    "bwd_dq_sm90",
+    "bwd_dkdv_sm90",
+    "bwd_fused_sm90",
+)  # each persistent by default: it walks tiles
 
 
 @pytest.mark.parametrize(
@@ -49,7 +56,8 @@ HOPPER_KERNELS = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90")  # each persistent
     ],
 )  # closed-form tile bounds; block tables
 def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk, head_dim):
-    spec = with_config(load_spec(f"specs/{name}.toml"), "triton_gpu", sm90_forward=1, sm90_backward=1)
+    hopper = {"sm90_forward": 1, "sm90_backward": 1, "sm90_fused_backward": int(kernel == "bwd_fused_sm90")}
+    spec = with_config(load_spec(f"specs/{name}.toml"), "triton_gpu", **hopper)
     spec = retarget(spec, head_dim, spec.dtype) if head_dim else spec
     module = harness.load_target(spec, "triton_gpu")
     ptx = harness.compiled_structure(_INSPECT, module.__file__, spec.dtype, kernel, json.dumps(walk))[-1]
@@ -63,6 +71,9 @@ def test_the_hopper_kernels_compile_to_fa3s_structure(name, kernel, walk, head_d
     # exchange of the launch's last take that leaves it zero for the next launch.
     dynamic = walk.get("DYNAMIC", module.SM90_DYNAMIC)
     assert ptx["atomics"] == (2 if dynamic else 0)
+    # The fused backward adds each step's dQ to the float32 sums with a TMA reduction (one in each
+    # consumer's loop over each run of q blocks); no other kernel reduces.
+    assert (ptx["tma_reductions"] > 0) == (kernel == "bwd_fused_sm90")
 
 
 @pytest.mark.parametrize("name", ["full", "causal"])
@@ -101,10 +112,13 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
         backward = {"_attention_bwd_dq_sm90": config.sm90_dq, "_attention_bwd_dkdv_sm90": config.sm90_backward}
         assert all((name in source) == bool(on) for name, on in backward.items())
         assert ("_attention_fwd_sm90" in source) == bool(config.sm90_forward or config.sm90_fp8)  # (FP8's kernel too)
-        return config.sm90_forward, *backward.values()
+        assert ("def _attention_bwd_delta" in source) == bool(config.sm90_fused_backward)
+        return config.sm90_forward, *backward.values(), config.sm90_fused_backward
 
-    assert enabled(128, "bfloat16") == enabled(128, "float16") == (1, 1, 1)
-    assert enabled(64, "bfloat16") == (1, 1, 1)
+    # The fused backward: where it can run (heads up to 128), by SM90_FUSED_BY_DEFAULT.
+    fused = int(SM90_FUSED_BY_DEFAULT)
+    assert enabled(128, "bfloat16") == enabled(128, "float16") == (1, 1, 1, fused)
+    assert enabled(64, "bfloat16") == (1, 1, 1, fused)
     # Three consumers (192 queries a program) for plain attention at heads of 64, two elsewhere.
     rows = {
         (name, head_dim): retarget(load_spec(f"specs/{name}.toml"), head_dim, "bfloat16")
@@ -114,12 +128,13 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
         for head_dim in (64, 128)
     }
     assert rows == {**dict.fromkeys(rows, 128), ("full", 64): 192}
-    assert enabled(32, "bfloat16") == (0, 0, 0)  # not measured
-    assert enabled(128, "float32") == (0, 0, 0)  # wgmma takes no float32 inputs
+    assert enabled(32, "bfloat16") == (0, 0, 0, 0)  # not measured
+    assert enabled(128, "float32") == (0, 0, 0, 0)  # wgmma takes no float32 inputs
     # Heads of 256: the dQ kernel's Q, dO and O of 128 queries beside its K/V ring, and the dK/dV
     # kernel's K and V of 128 keys beside its Q/dO ring, would pass sm90's shared memory (the launch
-    # would fail): there they hold 64, their two consumers splitting the columns.
-    assert enabled(256, "bfloat16") == (1, 1, 1)
+    # would fail): there they hold 64, their two consumers splitting the columns. The fused backward's
+    # consumers hold 64 keys each: not there.
+    assert enabled(256, "bfloat16") == (1, 1, 1, 0)
     config = retarget(load_spec("specs/causal.toml"), 256, "bfloat16").config("triton_gpu")
     assert (config.sm90_dq_block_m, config.sm90_dkdv_block_n, config.sm90_block_n) == (64, 64, 64)
     text = 'name = "s"\nhead_dim = 256\ndtype = "bfloat16"\n[triton]\nsm90_backward = 1\nsm90_dkdv_block_n = 128\n'
@@ -128,8 +143,13 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
     # A score that reads a tensor at each (query, key) pair, a full bias, runs faster on the Triton
     # kernels (they pipeline its tiles); a relative table, read by distance, on the Hopper ones.
     bias, relative = (load_spec(f"specs/{name}.toml").config("triton_gpu") for name in ("bias", "relative_bias"))
-    assert (bias.sm90_forward, bias.sm90_backward, bias.sm90_dq) == (0, 0, 0)
-    assert (relative.sm90_forward, relative.sm90_backward, relative.sm90_dq) == (1, 1, 1)
+    assert (bias.sm90_forward, bias.sm90_backward, bias.sm90_dq, bias.sm90_fused_backward) == (0, 0, 0, 0)
+    hopper = ("sm90_forward", "sm90_backward", "sm90_dq", "sm90_fused_backward")
+    assert [getattr(relative, key) for key in hopper] == [1, 1, 1, fused]
+    # A spec opts in (or out) where it can run.
+    for head_dim in (64, 128):
+        text = f'name = "s"\nhead_dim = {head_dim}\ndtype = "bfloat16"\n[triton]\nsm90_fused_backward = 1\n'
+        assert parse_spec(text, "s.toml").config("triton_gpu").sm90_fused_backward == 1
 
 
 def test_calls_of_short_programs_take_the_triton_forward():
@@ -178,16 +198,45 @@ def _source(spec) -> str:
             "the Hopper dQ kernel's tiles need more than sm90's 227 KiB",
         ),
         ("sm90_forward_min_keys = -1", "sm90_forward_min_keys must be in 0..2"),
+        ("sm90_fused_num_warps = 8", "sm90_fused_num_warps must be 4"),
+        ("sm90_fused_block_n = 64", "sm90_fused_block_n must be 128"),
+        ("sm90_fused_block_m = 32", "sm90_fused_block_m must be 64 or 128"),
+        ("sm90_fused_backward = 1\nsm90_fused_block_m = 128", "its tiles need more than sm90's 227 KiB"),
+        ("sm90_fused_backward = 1\nsm90_backward = 0", "it needs the Hopper dK/dV kernel"),
     ],
 )
-def test_hopper_forward_keys_are_checked(table, problem):
+def test_hopper_keys_are_checked(table, problem):
     text = f'name = "s"\nhead_dim = 128\ndtype = "bfloat16"\n[triton]\n{table}\n'
     with pytest.raises(SpecError, match=problem):
         parse_spec(text, "s.toml")
+    wide = 'name = "s"\nhead_dim = 256\ndtype = "bfloat16"\n[triton]\nsm90_fused_backward = 1\n'
+    with pytest.raises(SpecError, match="sm90_fused_backward: heads of at most 128"):
+        parse_spec(wide, "s.toml")
 
 
-@pytest.mark.parametrize("key", ["sm90_forward", "sm90_backward", "sm90_dq"])
+@pytest.mark.parametrize("key", ["sm90_forward", "sm90_backward", "sm90_dq", "sm90_fused_backward"])
 def test_a_float32_spec_cannot_ask_for_the_hopper_kernels(key):
     text = f'name = "s"\nhead_dim = 128\ndtype = "float32"\n[triton]\n{key} = 1\n'
     with pytest.raises(SpecError, match="wgmma takes no float32 inputs"):
         parse_spec(text, "s.toml")
+
+
+def test_the_fused_backwards_delta_in_the_interpreter():
+    """delta = rowsum(dO * O) - dLSE, which the fused backward reads from a kernel of its own (the dQ
+    kernels work it out beside dQ): a Triton kernel, so it runs here; with dO strided, or a gradient
+    expanded from one element (strides 0), and without dLSE."""
+    import torch
+
+    spec = with_config(load_spec("specs/causal.toml"), "triton_gpu", sm90_fused_backward=1)
+    module = harness.load_target(spec, "triton_gpu")
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, q_len, width = 2, 3, 70, module.HEAD_DIM_V  # two blocks of 64 rows, the second short
+    out = torch.randn(batch, heads, q_len, width, generator=generator).to(module.DTYPE)
+    strided = torch.randn(batch, q_len, heads, width, generator=generator).to(module.DTYPE).transpose(1, 2)
+    expanded = torch.randn(1, 1, 1, 1, generator=generator).to(module.DTYPE).expand_as(out)
+    given = torch.randn(batch, heads, q_len, generator=generator)
+    for dout, dlse in ((strided, given), (expanded, None)):
+        delta = torch.full((batch, heads, q_len), float("nan"))
+        module._delta(dout, dlse, out, delta)
+        expected = (dout.double() * out.double()).sum(-1) - (0 if dlse is None else dlse.double())
+        torch.testing.assert_close(delta.double(), expected, rtol=1e-5, atol=1e-5)

@@ -29,6 +29,7 @@ def test_candidates_name_each_kernels_fields():
     fields = {f.name for f in dataclasses.fields(TritonConfig)}
     # lengths, the Hopper kernels' switches and the decode split rule's occupancy are not searched
     unsearched = {"short_kv_len", "sm90_forward_min_keys", "sm90_forward", "sm90_backward", "sm90_dq", "sm90_fp8"}
+    unsearched |= {"sm90_fused_backward"}
     unsearched |= {"decode_programs_per_sm"}
     assert set().union(*(c.config(k) for k in KERNELS)) == fields - unsearched
 
@@ -40,13 +41,15 @@ def test_search_spaces():
     assert len(quick) == 6 and all(c.stages == 3 for c in quick)
 
 
-@pytest.mark.parametrize("name", ["fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90"])
+@pytest.mark.parametrize("name", ["fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90"])
 def test_the_hopper_kernels_search_what_the_backend_leaves_free(name):
-    """Every candidate of a Gluon kernel passes the backend's checks (128 rows, or 64 in the backward;
-    one warpgroup per consumer); --quick searches the same 4 (the forward) or 8."""
+    """Every candidate of a Gluon kernel passes the backend's checks (128 rows, or 64 in the dQ and
+    dK/dV kernels; one warpgroup per consumer); --quick searches the same 4 (the forward, the fused
+    backward) or 8."""
     kernel = TRITON_GPU.kernel(name)
     space = search_space(kernel, quick=False)
-    assert space == search_space(kernel, quick=True) and len(set(space)) == (4 if name == "fwd_sm90" else 8)
+    assert space == search_space(kernel, quick=True)
+    assert len(set(space)) == (8 if name in ("bwd_dq_sm90", "bwd_dkdv_sm90") else 4)
 
     def refuse(message, key=None, hint=None):
         raise AssertionError(message)
@@ -79,6 +82,29 @@ def test_the_tables_candidate_is_always_timed(monkeypatch):
     dkdv = TRITON_GPU.kernel("bwd_dkdv")  # holds keys (block_n), steps over queries (block_m)
     held = Candidate.of(dkdv, table).config(dkdv)
     assert held == {key: getattr(table, key) for key in held}
+
+
+def test_the_fused_backward_is_on_in_its_own_search_only(monkeypatch):
+    """On Hopper the dQ and dK/dV kernels are timed with the fused backward off (it would serve the
+    backward in their place), and the fused backward with it on."""
+    torch = pytest.importorskip("torch")
+    from attngen import tune as tune_module
+
+    for name, value in (("is_available", True), ("get_device_name", "NVIDIA H200"), ("get_device_capability", (9, 0))):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
+    fused = {}
+
+    def search(self, workloads, config, kernel, space):
+        fused[kernel.name] = config.sm90_fused_backward
+        return space[0]
+
+    monkeypatch.setattr(tune_module._Tuner, "search", search)
+    table = tune_module.default_config  # (as if the table's entry took the fused backward)
+    monkeypatch.setattr(tune_module, "default_config", lambda *entry: {**table(*entry), "sm90_fused_backward": 1})
+    workload = tune_module.Workload(load_spec(SPECS / "causal.toml"), {})
+    list(tune_module.tune([workload], [128], ["bfloat16"], [4096], quick=True, log=lambda line: None))
+    assert fused["bwd_fused_sm90"] == 1
+    assert fused["bwd_dq_sm90"] == fused["bwd_dkdv_sm90"] == fused["bwd_dkdv"] == 0
 
 
 def test_every_spec_dtype_and_head_dim_has_a_default():
@@ -130,7 +156,10 @@ def test_tune_records_the_fields_it_searched_only(monkeypatch):
     monkeypatch.setattr(tune_module._Tuner, "search", lambda self, workloads, config, kernel, space: winner)
     workload = tune_module.Workload(load_spec(SPECS / "causal.toml"), {})
     (entry,) = tune_module.tune([workload], [64], ["bfloat16"], [4096], quick=True, log=lambda line: None)
-    searched = set().union(*(winner.config(k) for k in tune_module.TUNED_KERNELS))
+    table = TritonConfig(**default_config(64, "bfloat16"))  # (a kernel it turns off is not searched)
+    searched = set().union(
+        *(winner.config(k) for k in tune_module.TUNED_KERNELS if not k.enabled_by or getattr(table, k.enabled_by))
+    )
     assert set(entry.config) == set(default_config(64, "bfloat16")) | searched
     assert entry.config["sm90_dq_block_n"] == 128 and "sm90_fp8_num_stages" not in entry.config
     assert "sm90_forward_min_keys" not in entry.config

@@ -65,13 +65,13 @@ class Arg:
     """A runtime argument of a GPU kernel, as a launch on contiguous inputs specialises it.
 
     kind: "desc" a tensor descriptor over [batch, heads, seq, head_dim] moving [rows, width]
-    tiles (rows: the kernel's constexpr naming them; width: "d" head_dim, "dv" head_dim_v, or a
-    constexpr's name); "nvmma_desc" the same for a Gluon kernel, into NVMMA-swizzled shared memory
-    (wgmma's operand layout); "*in" a pointer to the spec's dtype; a Triton type: "*fp32", "*i32"
-    (pointers), "i32", "fp32"; or "none": a tensor that other launches of the same function take,
-    None in this one. element: a descriptor's element type when it is not the spec's dtype
-    ("float8_e4m3fn"). divisible: the value is a multiple of 16 (a pointer: 16-byte aligned), which
-    the compiler may assume.
+    tiles (rows: the kernel's constexpr naming them; width: "d" head_dim, "dv" head_dim_v, "d_half"
+    half of head_dim (a consumer's columns), or a constexpr's name); "nvmma_desc" the same for a
+    Gluon kernel, into NVMMA-swizzled shared memory (wgmma's operand layout); "*in" a pointer to the
+    spec's dtype; a Triton type: "*fp32", "*i32" (pointers), "i32", "fp32"; or "none": a tensor that
+    other launches of the same function take, None in this one. element: a descriptor's element type
+    when it is not the spec's dtype ("float8_e4m3fn", "float32"). divisible: the value is a multiple
+    of 16 (a pointer: 16-byte aligned), which the compiler may assume.
     """
 
     kind: str

@@ -30,6 +30,11 @@ from attngen.backends.base import (
 )
 from attngen.backends.emit import Dialect
 
+# Whether heads up to 128 take the fused Hopper backward by default: not until the H200 has measured
+# it exact and faster than the dQ and dK/dV kernels (bench/sm90_forward.py, its "split" column). A
+# spec takes it with sm90_fused_backward = 1.
+SM90_FUSED_BY_DEFAULT = False
+
 
 @dataclass(frozen=True)
 class TritonConfig:
@@ -116,6 +121,17 @@ class TritonConfig:
     sm90_dq_block_n: int = 64
     sm90_dq_num_warps: int = 4
     sm90_dq_num_stages: int = 2
+    # The fused Hopper backward (FlashAttention-3's): the dK/dV kernel doing the dQ kernel's work too,
+    # five products a step where the two kernels do seven, dQ added up in float32 by TMA reductions in
+    # an order that varies from run to run. sm90_fused_block_n keys per program (64 per consumer),
+    # sm90_fused_block_m queries per step through a ring of sm90_fused_num_stages Q/dO buffers. For
+    # heads up to 128 (make_config sets its default: SM90_FUSED_BY_DEFAULT); calls that want
+    # deterministic gradients, or gradients of trained params, run the two kernels above.
+    sm90_fused_backward: int = int(SM90_FUSED_BY_DEFAULT)
+    sm90_fused_block_m: int = 64
+    sm90_fused_block_n: int = 128
+    sm90_fused_num_warps: int = 4
+    sm90_fused_num_stages: int = 2
 
     def tiles(self, kernel: Kernel) -> dict[str, int]:
         """block_m, block_n, num_warps and num_stages of one kernel."""
@@ -159,6 +175,36 @@ _FORWARD = {
     ),
     "constexprs": (("GROUP", 1),),
 }
+
+
+def _dkdv_sm90(fused: bool) -> dict:
+    """The Hopper dK/dV kernel's declaration, alone or fused (then it adds dQ's share of each step to
+    DQ_SUMS, float32 [batch, heads, q_len, head_dim], each consumer half of its columns)."""
+    return {
+        "family": "training",
+        "function": "_attention_bwd_dkdv_sm90",
+        "template": "bwd_dkdv_sm90.py.jinja",
+        "walks": BY_KEY_BLOCK,
+        "step": "BLOCK_M",
+        "arguments": (
+            ("q_desc", Arg("nvmma_desc", "BLOCK_M")),
+            ("k_desc", Arg("nvmma_desc", "WGMMA_ROWS")),
+            ("v_desc", Arg("nvmma_desc", "WGMMA_ROWS", "dv")),
+            ("do_desc", Arg("nvmma_desc", "BLOCK_M", "dv")),
+            ("LSE", F32_POINTER),
+            ("DELTA", F32_POINTER),
+            ("DK", INPUT_POINTER),  # float32 partial sums when SPLITS > 1
+            ("DV", INPUT_POINTER),
+            ("DQ_SUMS", Arg("nvmma_desc", "BLOCK_M", "d_half", element="float32") if fused else NOT_PASSED),
+            ("TILE_COUNTER", I32_POINTER),  # the tiles taken, for the dynamic persistent walk
+            *PROBLEM_ARGS,
+            ("units", I32),  # batch * kv_heads * SPLITS: the grid's tiles are kv blocks x this
+            ("section_units", I32),  # units whose Q and dO share L2 (_sm90_section)
+        ),
+        "constexprs": (("GROUP", 1), ("SPLITS", 1)),
+        "language": "gluon",
+        "capabilities": (90,),
+    }
 
 
 def _forward_sm90(element: str = "") -> dict:
@@ -315,31 +361,17 @@ KERNELS = (
     ),
     Kernel(
         "bwd_dkdv_sm90",
-        "training",
-        "_attention_bwd_dkdv_sm90",
-        "bwd_dkdv_sm90.py.jinja",
         about="Backward, dK/dV on Hopper (Gluon): SM90_DKDV_BLOCK_N keys per program (128: half per consumer warpgroup; 64: all for both, which split the columns), SM90_DKDV_BLOCK_M queries per step.",
-        walks=BY_KEY_BLOCK,
-        step="BLOCK_M",
         tiles="sm90_dkdv_",
-        arguments=(
-            ("q_desc", Arg("nvmma_desc", "BLOCK_M")),
-            ("k_desc", Arg("nvmma_desc", "WGMMA_ROWS")),
-            ("v_desc", Arg("nvmma_desc", "WGMMA_ROWS", "dv")),
-            ("do_desc", Arg("nvmma_desc", "BLOCK_M", "dv")),
-            ("LSE", F32_POINTER),
-            ("DELTA", F32_POINTER),
-            ("DK", INPUT_POINTER),  # float32 partial sums when SPLITS > 1
-            ("DV", INPUT_POINTER),
-            ("TILE_COUNTER", I32_POINTER),  # the tiles taken, for the dynamic persistent walk
-            *PROBLEM_ARGS,
-            ("units", I32),  # batch * kv_heads * SPLITS: the grid's tiles are kv blocks x this
-            ("section_units", I32),  # units whose Q and dO share L2 (_sm90_section)
-        ),
-        constexprs=(("GROUP", 1), ("SPLITS", 1)),
         enabled_by="sm90_backward",
-        language="gluon",
-        capabilities=(90,),
+        **_dkdv_sm90(fused=False),
+    ),
+    Kernel(
+        "bwd_fused_sm90",
+        about="Backward on Hopper, fused (Gluon): dK/dV of SM90_FUSED_BLOCK_N keys per program (half per consumer warpgroup), and dQ's share of each step of SM90_FUSED_BLOCK_M queries added to float32 sums.",
+        tiles="sm90_fused_",
+        enabled_by="sm90_fused_backward",
+        **_dkdv_sm90(fused=True),
     ),
     Kernel(
         "bwd_dq_sm90",
@@ -401,6 +433,8 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         ("sm90_fp8_num_warps", 4, "each consumer is one warpgroup"),
         ("sm90_dkdv_num_warps", 4, "each consumer is one warpgroup"),
         ("sm90_dq_num_warps", 4, "each consumer is one warpgroup"),
+        ("sm90_fused_num_warps", 4, "each consumer is one warpgroup"),
+        ("sm90_fused_block_n", 128, "64 keys per consumer warpgroup, wgmma's tile height"),
     ):
         if key in table and table[key] != value:
             report(f"triton {key} must be {value} ({why}), got {table[key]}", key)
@@ -408,7 +442,13 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         if table.get(key, 64) not in (64, 128):
             why = f"64 {rows} per consumer warpgroup, or 64 for both, wgmma's tile height"
             report(f"triton {key} must be 64 or 128 ({why}), got {table[key]}", key)
-    for key in ("sm90_forward", "sm90_backward", "sm90_dq", "sm90_fp8"):
+    if table.get("sm90_fused_block_m", 64) not in (64, 128):
+        why = "a step's dQ tile is one or two of wgmma's 64 rows"
+        report(
+            f"triton sm90_fused_block_m must be 64 or 128 ({why}), got {table['sm90_fused_block_m']}",
+            "sm90_fused_block_m",
+        )
+    for key in ("sm90_forward", "sm90_backward", "sm90_dq", "sm90_fp8", "sm90_fused_backward"):
         if key in table and table[key] not in (0, 1):
             report(f"triton {key} must be 0 or 1, got {table[key]}", key)
         if table.get(key) and shape is not None and shape.dtype == "float32":
@@ -452,6 +492,18 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
             "fewer sm90_dq_num_stages or a smaller sm90_dq_block_n, or sm90_dq = 0",
         )
         return None
+    fused = bool(config["sm90_backward"]) and shape.widest <= 128 and _sm90_fused_fits(config, shape)
+    config.setdefault("sm90_fused_backward", int(fused and SM90_FUSED_BY_DEFAULT))
+    if table.get("sm90_fused_backward") and not fused:
+        why = (
+            "it needs the Hopper dK/dV kernel (sm90_backward)"
+            if not config["sm90_backward"]
+            else f"heads of at most 128 (head dims {shape.head_dim} / {shape.head_dim_v})"
+            if shape.widest > 128
+            else f"its tiles need more than sm90's {SM90_SHARED_BYTES // 1024} KiB of shared memory"
+        )
+        report(f"triton sm90_fused_backward: {why}", "sm90_fused_backward", "sm90_fused_backward = 0")
+        return None
     # FP8 has no other kernel: on for every head dim, its output in the spec's dtype.
     config.setdefault("sm90_fp8", int(shape.dtype != "float32"))
     # Three consumer warpgroups (192 queries a program, FlashAttention-3's tiles) at heads of 64, where
@@ -491,6 +543,17 @@ def _sm90_dq_fits(config: dict[str, int], shape: ProblemShape) -> bool:
     d, dv = power_of_two_at_least(shape.head_dim), power_of_two_at_least(shape.head_dim_v)
     ds = 2 * rows * step if rows == 64 and 2 * step > dv else 0
     return 2 * (rows * (d + 2 * dv) + stages * step * (d + dv) + ds) <= SM90_SHARED_BYTES
+
+
+def _sm90_fused_fits(config: dict[str, int], shape: ProblemShape) -> bool:
+    """Whether the fused Hopper backward's tiles fit sm90's shared memory: the dK/dV kernel's (K and V,
+    the Q/dO ring with LSE and delta), and dS^T of both consumers over two steps, 16-bit, and a float32
+    [step, head_dim / 2] tile of dQ per consumer on its way out."""
+    keys = ("sm90_fused_block_m", "sm90_fused_block_n", "sm90_fused_num_stages")
+    step, rows, stages = (config.get(key, getattr(TritonConfig, key)) for key in keys)
+    d, dv = power_of_two_at_least(shape.head_dim), power_of_two_at_least(shape.head_dim_v)
+    tiles = 2 * (rows + stages * step) * (d + dv) + 8 * stages * step
+    return tiles + 2 * 2 * rows * step + 4 * step * d <= SM90_SHARED_BYTES
 
 
 def _sm90_dkdv_fits(config: dict[str, int], shape: ProblemShape) -> bool:

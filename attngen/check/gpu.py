@@ -63,7 +63,7 @@ GPU_TARGETS = {
 }
 
 _ELEMENT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", FP8: "fp8e4nv"}
-_GLUON_ELEMENT = {"bfloat16": "bfloat16", "float16": "float16", FP8: "float8e4nv"}
+_GLUON_ELEMENT = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", FP8: "float8e4nv"}
 
 
 def check_gpu_isolated(path: Path, dtype: str, targets: list[str]) -> Iterator[Finding]:
@@ -125,7 +125,7 @@ def _signature(module, kernel: Kernel, dtype: str, tma: bool = True):
         "PERSISTENT": getattr(module, "SM90_PERSISTENT", 0),
         "DYNAMIC": getattr(module, "SM90_DYNAMIC", 0),
     }
-    widths = {"d": module.BLOCK_D, "dv": module.BLOCK_DV, **constexpr_values}
+    widths = {"d": module.BLOCK_D, "dv": module.BLOCK_DV, "d_half": module.BLOCK_D // 2, **constexpr_values}
     tensors = getattr(module, "TENSOR_PARAMS", {})
     signature, constexprs, attrs = {}, {}, {}
     for index, (name, param) in enumerate(zip(fn.arg_names, fn.params)):

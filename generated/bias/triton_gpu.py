@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 64 keys; closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.bias_60569d9e5aca_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.bias_d9ab12281602_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -143,6 +143,12 @@ SM90_DKDV_BLOCK_M = 64
 SM90_DKDV_BLOCK_N = 128
 SM90_DKDV_NUM_WARPS = 4
 SM90_DKDV_NUM_STAGES = 2
+# Backward on Hopper, fused (Gluon): dK/dV of SM90_FUSED_BLOCK_N keys per program (half per consumer warpgroup), and dQ's share of each step of SM90_FUSED_BLOCK_M queries added to float32 sums.
+SM90_FUSED_BACKWARD = 0
+SM90_FUSED_BLOCK_M = 64
+SM90_FUSED_BLOCK_N = 128
+SM90_FUSED_NUM_WARPS = 4
+SM90_FUSED_NUM_STAGES = 2
 # Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program (128: half per consumer warpgroup; 64: all for both, which split the columns), SM90_DQ_BLOCK_N keys per step.
 SM90_DQ = 0
 SM90_DQ_BLOCK_M = 128
@@ -1407,8 +1413,8 @@ def attention_with_kvcache(
         descales = [_number_as_tensor(x, q.device) for x in (k_descale, v_descale)]
         with torch.no_grad():
             if appended:
-                cache_seqlens = torch.ops.attngen.bias_60569d9e5aca_kvcache_append(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
-            out, lse = torch.ops.attngen.bias_60569d9e5aca_kvcache(
+                cache_seqlens = torch.ops.attngen.bias_d9ab12281602_kvcache_append(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
+            out, lse = torch.ops.attngen.bias_d9ab12281602_kvcache(
                 q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q, max_seqlen_q, *descales,
                 float(scale), num_splits, workspace, *scalars.values(), *tensors.values(),
             )
@@ -1966,7 +1972,12 @@ def _tma(device):
     return device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] >= 9
 
 
-_GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+_GLUON_DTYPES = {
+    torch.float16: gl.float16,
+    torch.bfloat16: gl.bfloat16,
+    torch.float8_e4m3fn: gl.float8e4nv,
+    torch.float32: gl.float32,  # (the fused backward's sums of dQ)
+}
 
 
 def _nvmma_descriptor(t, rows, width=BLOCK_D):
@@ -2223,7 +2234,7 @@ def _kernel_params(params):
 # costs host time). The ops take a spec's params in _check_params' order, as the kernels do.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "bias_60569d9e5aca"
+_OP = "bias_d9ab12281602"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -2252,7 +2263,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     def _autograd_backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.attngen.bias_60569d9e5aca_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.bias_d9ab12281602_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -2364,7 +2375,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
         scale = 1.0 / math.sqrt(HEAD_DIM)
     scale, params = float(scale), [*scalars.values(), *tensors.values()]
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        out, lse = torch.ops.attngen.bias_60569d9e5aca_fwd(q, k, v, scale, *params)
+        out, lse = torch.ops.attngen.bias_d9ab12281602_fwd(q, k, v, scale, *params)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
         out, lse = _Attention.apply(q, k, v, scale, *params)  # eager: cheaper than the custom op's dispatch
     else:  # no gradient wanted (inference): the kernels without autograd's bookkeeping
@@ -2403,7 +2414,7 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, sc
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break), without autograd as eager
         descales = [_number_as_tensor(x, q.device) for x in (q_descale, k_descale, v_descale)]
         with torch.no_grad():
-            out, lse = torch.ops.attngen.bias_60569d9e5aca_fp8(q, k, v, *descales, scale, *params)
+            out, lse = torch.ops.attngen.bias_d9ab12281602_fp8(q, k, v, *descales, scale, *params)
     else:
         out, lse = _forward(q, k, v, scale, params, _fp8_descales(q.device, *k.shape[:2], q_descale, k_descale, v_descale))
     (out,) = _as_bhsd(layout, out)
@@ -2467,7 +2478,7 @@ def attention_forward(q, k, v, *, scale=None, **params):
     """
     scale, params = _checked_scale_and_params(q, k, v, scale, params)
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        return torch.ops.attngen.bias_60569d9e5aca_fwd(q, k, v, scale, *params)
+        return torch.ops.attngen.bias_d9ab12281602_fwd(q, k, v, scale, *params)
     return _forward(q, k, v, scale, params)
 
 
@@ -2478,7 +2489,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, **params):
     lse = lse.contiguous()  # the kernels index it as [batch * heads, q_len] (a slice of a longer row is not)
     scale, params = _checked_scale_and_params(q, k, v, scale, params)
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        return torch.ops.attngen.bias_60569d9e5aca_bwd(dout, dlse, q, k, v, out, lse, scale, *params)
+        return torch.ops.attngen.bias_d9ab12281602_bwd(dout, dlse, q, k, v, out, lse, scale, *params)
     return _backward(dout, dlse, q, k, v, out, lse, scale, params)
 
 

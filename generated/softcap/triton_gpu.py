@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.softcap_fe4963b271b7_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.softcap_4dfb259c26d9_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -139,6 +139,12 @@ SM90_DKDV_BLOCK_M = 64
 SM90_DKDV_BLOCK_N = 128
 SM90_DKDV_NUM_WARPS = 4
 SM90_DKDV_NUM_STAGES = 2
+# Backward on Hopper, fused (Gluon): dK/dV of SM90_FUSED_BLOCK_N keys per program (half per consumer warpgroup), and dQ's share of each step of SM90_FUSED_BLOCK_M queries added to float32 sums.
+SM90_FUSED_BACKWARD = 0
+SM90_FUSED_BLOCK_M = 64
+SM90_FUSED_BLOCK_N = 128
+SM90_FUSED_NUM_WARPS = 4
+SM90_FUSED_NUM_STAGES = 2
 # Backward, dQ on Hopper (Gluon): SM90_DQ_BLOCK_M queries per program (128: half per consumer warpgroup; 64: all for both, which split the columns), SM90_DQ_BLOCK_N keys per step.
 SM90_DQ = 1
 SM90_DQ_BLOCK_M = 128
@@ -1398,8 +1404,8 @@ def attention_with_kvcache(
         descales = [_number_as_tensor(x, q.device) for x in (k_descale, v_descale)]
         with torch.no_grad():
             if appended:
-                cache_seqlens = torch.ops.attngen.softcap_fe4963b271b7_kvcache_append(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
-            out, lse = torch.ops.attngen.softcap_fe4963b271b7_kvcache(
+                cache_seqlens = torch.ops.attngen.softcap_4dfb259c26d9_kvcache_append(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
+            out, lse = torch.ops.attngen.softcap_4dfb259c26d9_kvcache(
                 q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q, max_seqlen_q, *descales,
                 float(scale), num_splits, workspace, *scalars.values(), *tensors.values(),
             )
@@ -1918,9 +1924,19 @@ def _attention_fwd_sm90(
 # products of the dK/dV step run as asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T together,
 # then dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from registers. Same tile bounds, mask and score as _attention_bwd_dkdv.
 #
+#
+# Fused (DQ_SUMS given: FlashAttention-3's backward), the same kernel does the dQ kernel's work too, with
+# five products a step where the two kernels do seven (S and dP twice): both consumers put dS^T in
+# shared memory, and each works out half of dQ's columns over the block's 128 keys, dS K, which TMA
+# adds to a float32 sum in global memory (cp.reduce.async.bulk). The sums of one query block come
+# from every kv block that sees it in whatever order the programs get there: dQ's last bits vary from
+# run to run (_backward keeps the two kernels for deterministic calls). delta comes first, from
+# _attention_bwd_delta.
+#
 # A tile is a kv block of one unit (a batch, a kv head, a part of its group of query heads), walked in
 # _sm90_key_tile's order (see the tile walks above): persistent, the loader fetches the next tile's K and
 # V and its first Q and dO while the consumers store this one's dK and dV.
+
 
 
 @gluon.jit
@@ -2034,14 +2050,16 @@ def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_sme
 
 
 @gluon.jit
-def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem,
-                           ds_ready, ready, empty, b, h, block_lo, block_hi, kv_idx, q_len, kv_len, scale, param_softcap,
-                           MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+def _sm90_dkdv_consume_run(dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem,
+                           ds_ready, dq_smem, DQ_SUMS, ready, empty, b, h, block_lo, block_hi, kv_idx, q_len, kv_len,
+                           scale, param_softcap, MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                           HALF: gl.constexpr):
     """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE).
     Where dK and dV are narrower than the head (COLUMNS: both consumers hold the same keys), each
     works out S^T, dP^T, P^T and dS^T for its half of each block's queries, puts P^T and dS^T in
     shared memory (p_smem, ds_smem: two steps' worth), and once both halves are there multiplies
-    them by its columns of dO and Q: no product is done twice."""
+    them by its columns of dO and Q: no product is done twice. Fused (DQ_SUMS), each also puts dS^T
+    in shared memory (ds_smem, two steps' worth) and adds dS K to its half of dQ's columns."""
     ROWS: gl.constexpr = k_tile.shape[0]
     BLOCK_D: gl.constexpr = k_tile.shape[1]
     BLOCK_DV: gl.constexpr = v_tile.shape[1]
@@ -2055,6 +2073,7 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem
     dv_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=2)
     dk_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     s_zero = gl.zeros([ROWS, QUERIES], gl.float32, s_layout)
+    DQ_COLUMNS: gl.constexpr = BLOCK_D // 2  # (fused)
     for block in range(block_lo, block_hi):
         slot = it % STAGES
         q_tile = q_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
@@ -2098,6 +2117,29 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem
                 dv = warpgroup_mma(p_smem.index(2 * buffer + queries), do_part, dv, is_async=True)
                 dk = warpgroup_mma(ds_smem.index(2 * buffer + queries), q_part, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, p_smem, ds_smem, do_columns, q_columns))[:2]
+        elif DQ_SUMS is not None:
+            # dV += P^T dO with P^T from registers; dS^T to shared memory, where dK += dS^T Q reads it
+            # and, once the other consumer's is there too (a buffer is written again two steps on,
+            # when the other consumer has passed this step), dQ's columns [HALF * DQ_COLUMNS, ...) +=
+            # dS K over both consumers' keys.
+            p_op = gl.convert_layout(p_low, dv_operand)
+            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+            buffer = it % 2
+            ds_smem.index(2 * buffer + HALF).store(ds_low)
+            _sm90_exchange(ds_ready, it)
+            dk = warpgroup_mma(ds_smem.index(2 * buffer + HALF), q_tile, dk, is_async=True)
+            dq = gl.zeros([BLOCK_M, DQ_COLUMNS], gl.float32, _sm90_acc_layout(DQ_COLUMNS, False))
+            for keys in gl.static_range(2):
+                ds_keys = ds_smem.index(2 * buffer + keys).permute((1, 0))  # [queries, keys]
+                k_columns = k_smem.index(keys).reshape([ROWS, BLOCK_D]).slice(HALF * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                dq = warpgroup_mma(ds_keys, k_columns, dq, use_acc=keys > 0, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, do_tile, q_tile, ds_smem, k_smem))[:3]
+            # Out to the sums through this consumer's buffer, once TMA has read the last step's; TMA
+            # drops the rows past q_len and the columns past head_dim.
+            tma.store_wait(0)
+            dq_smem.index(HALF).reshape([BLOCK_M, DQ_COLUMNS]).store(dq * scale)
+            fence_async_shared()
+            _tma_reduce_add(DQ_SUMS, [b, h, block * BLOCK_M, HALF * DQ_COLUMNS], dq_smem.index(HALF))
         else:
             # dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register operands.
             p_op = gl.convert_layout(p_low, dv_operand)
@@ -2111,8 +2153,9 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem
 
 
 @gluon.jit
-def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
-                            kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads, q_len, kv_len,
+def _sm90_dkdv_consume_tile(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem,
+                            ds_ready, dq_smem, kv_ready, kv_empty, ready, empty, t, done, it, units, section_units,
+                            num_heads, q_len, kv_len,
                             scale, param_softcap, HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr,
                             STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
@@ -2144,19 +2187,24 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
         # The bounds of the whole kv block, as the loader walks them (this half's keys are masked).
         q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, param_softcap, BLOCK_M, BLOCK_N)
         dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, ready, empty,
-            b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_softcap, True, STAGES, BLOCK_M, HALF,
+            dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+            dq_smem, DQ_SUMS, ready, empty, b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, param_softcap, True,
+            STAGES, BLOCK_M, HALF,
         )
         dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, ready, empty,
-            b, h, q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, param_softcap, False, STAGES, BLOCK_M, HALF,
+            dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+            dq_smem, DQ_SUMS, ready, empty, b, h, q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, param_softcap, False,
+            STAGES, BLOCK_M, HALF,
         )
         dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, ready, empty,
-            b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, param_softcap, True, STAGES, BLOCK_M, HALF,
+            dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+            dq_smem, DQ_SUMS, ready, empty, b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, param_softcap, True,
+            STAGES, BLOCK_M, HALF,
         )
     # Every product that read K and V has been waited for: the loader may fetch the next tile's.
     mbarrier.arrive(kv_empty, count=1)
+    if DQ_SUMS is not None:
+        tma.store_wait(0)  # (the last reduction has read dq_smem: none is in flight when the program ends)
 
     # Plain stores, in the accumulators' layout (float32 parts, or the gradients' dtype): keys past
     # kv_len and columns past the head dim are dropped. The tile's unit has [kv_len, head_dim] rows
@@ -2171,8 +2219,9 @@ def _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, d
 
 
 @gluon.jit
-def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
-                        kv_ready, kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
+def _sm90_dkdv_consumer(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem,
+                        ds_ready, dq_smem, kv_ready, kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, units,
+                        section_units, num_heads, q_len, kv_len,
                         scale, param_softcap, HALF: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr,
                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         HEAD_DIM_V: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
@@ -2183,9 +2232,9 @@ def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta
         done = 0
         t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
         while t >= 0:
-            it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem,
-                                         ds_smem, ds_ready, kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
-                                         q_len, kv_len, scale, param_softcap, HALF, GROUP, SPLITS, STAGES,
+            it = _sm90_dkdv_consume_tile(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                                         p_smem, ds_smem, ds_ready, dq_smem, kv_ready, kv_empty, ready, empty, t, done,
+                                         it, units, section_units, num_heads, q_len, kv_len, scale, param_softcap, HALF, GROUP, SPLITS, STAGES,
                                          BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
             done += 1
             t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
@@ -2193,24 +2242,24 @@ def _sm90_dkdv_consumer(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta
         it = 0
         done = 0
         for t in range(gl.program_id(0), gl.cdiv(kv_len, BLOCK_N) * units, gl.num_programs(0)):
-            it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem,
-                                         ds_smem, ds_ready, kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
-                                         q_len, kv_len, scale, param_softcap, HALF, GROUP, SPLITS, STAGES,
+            it = _sm90_dkdv_consume_tile(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                                         p_smem, ds_smem, ds_ready, dq_smem, kv_ready, kv_empty, ready, empty, t, done,
+                                         it, units, section_units, num_heads, q_len, kv_len, scale, param_softcap, HALF, GROUP, SPLITS, STAGES,
                                          BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
             done += 1
     else:  # a program per tile (`it` as a tensor: the loops carry it)
         t = gl.program_id(0)
         done = 0
         it = gl.to_tensor(0)
-        it = _sm90_dkdv_consume_tile(DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem,
-                                     ds_smem, ds_ready, kv_ready, kv_empty, ready, empty, t, done, it, units, section_units, num_heads,
-                                     q_len, kv_len, scale, param_softcap, HALF, GROUP, SPLITS, STAGES,
+        it = _sm90_dkdv_consume_tile(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                                     p_smem, ds_smem, ds_ready, dq_smem, kv_ready, kv_empty, ready, empty, t, done,
+                                     it, units, section_units, num_heads, q_len, kv_len, scale, param_softcap, HALF, GROUP, SPLITS, STAGES,
                                      BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
 
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "param_softcap"])
 def _attention_bwd_dkdv_sm90(
-    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, TILE_COUNTER,
+    q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ_SUMS, TILE_COUNTER,
     num_heads, q_len, kv_len, scale, units, section_units, param_softcap,
     GROUP: gl.constexpr, SPLITS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, STAGES: gl.constexpr,
@@ -2234,7 +2283,14 @@ def _attention_bwd_dkdv_sm90(
     EXCHANGED: gl.constexpr = 4 if KV_TILES == 1 else 1
     exchanged: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M // 2], q_desc.dtype)
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [EXCHANGED, ROWS, BLOCK_M // 2], exchanged)
-    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [EXCHANGED, ROWS, BLOCK_M // 2], exchanged)
+    if DQ_SUMS is not None:
+        # Fused: each consumer's dS^T, two steps x two consumers, and its share of dQ on its way to the sums.
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], q_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, BLOCK_D // 2], DQ_SUMS.layout)
+    else:
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [EXCHANGED, ROWS, BLOCK_M // 2], exchanged)
+        dq_smem = p_smem  # (unused)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -2253,15 +2309,17 @@ def _attention_bwd_dkdv_sm90(
         [
             (
                 _sm90_dkdv_consumer,
-                (DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, kv_ready,
-                 kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
+                (DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+                 dq_smem, kv_ready, kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, units, section_units,
+                 num_heads, q_len, kv_len,
                  scale, param_softcap, 0, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
                  PERSISTENT, DYNAMIC),
             ),
             (
                 _sm90_dkdv_consumer,
-                (DK, DV, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready, kv_ready,
-                 kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, units, section_units, num_heads, q_len, kv_len,
+                (DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+                 dq_smem, kv_ready, kv_empty, ready, empty, tile_smem, tile_ready, tile_empty, units, section_units,
+                 num_heads, q_len, kv_len,
                  scale, param_softcap, 1, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
                  PERSISTENT, DYNAMIC),
             ),
@@ -2678,7 +2736,12 @@ def _tma(device):
     return device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] >= 9
 
 
-_GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+_GLUON_DTYPES = {
+    torch.float16: gl.float16,
+    torch.bfloat16: gl.bfloat16,
+    torch.float8_e4m3fn: gl.float8e4nv,
+    torch.float32: gl.float32,  # (the fused backward's sums of dQ)
+}
 
 
 def _nvmma_descriptor(t, rows, width=BLOCK_D):
@@ -2901,7 +2964,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         _launch(
             _attention_bwd_dkdv_sm90, (programs,),
             _nvmma_descriptor(q, block_m), _nvmma_descriptor(k, 64), _nvmma_descriptor(v, 64, BLOCK_DV),  # 64-key tiles
-            _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts, counter,
+            _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts, None, counter,
             heads, q_len, kv_len, scale, units, _sm90_section(units, unit_bytes), *params, GROUP=group,
             SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM,
             HEAD_DIM_V=HEAD_DIM_V, STAGES=stages, PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC,
@@ -2967,7 +3030,7 @@ def _sm_count(device):
 # costs host time). The ops take a spec's params in _check_params' order, as the kernels do.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "softcap_fe4963b271b7"
+_OP = "softcap_4dfb259c26d9"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -2996,7 +3059,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     def _autograd_backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.attngen.softcap_fe4963b271b7_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.softcap_4dfb259c26d9_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -3104,7 +3167,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
         scale = 1.0 / math.sqrt(HEAD_DIM)
     scale, params = float(scale), [*scalars.values(), *tensors.values()]
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        out, lse = torch.ops.attngen.softcap_fe4963b271b7_fwd(q, k, v, scale, *params)
+        out, lse = torch.ops.attngen.softcap_4dfb259c26d9_fwd(q, k, v, scale, *params)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
         out, lse = _Attention.apply(q, k, v, scale, *params)  # eager: cheaper than the custom op's dispatch
     else:  # no gradient wanted (inference): the kernels without autograd's bookkeeping
@@ -3143,7 +3206,7 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, sc
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break), without autograd as eager
         descales = [_number_as_tensor(x, q.device) for x in (q_descale, k_descale, v_descale)]
         with torch.no_grad():
-            out, lse = torch.ops.attngen.softcap_fe4963b271b7_fp8(q, k, v, *descales, scale, *params)
+            out, lse = torch.ops.attngen.softcap_4dfb259c26d9_fp8(q, k, v, *descales, scale, *params)
     else:
         out, lse = _forward(q, k, v, scale, params, _fp8_descales(q.device, *k.shape[:2], q_descale, k_descale, v_descale))
     (out,) = _as_bhsd(layout, out)
@@ -3207,7 +3270,7 @@ def attention_forward(q, k, v, *, scale=None, **params):
     """
     scale, params = _checked_scale_and_params(q, k, v, scale, params)
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        return torch.ops.attngen.softcap_fe4963b271b7_fwd(q, k, v, scale, *params)
+        return torch.ops.attngen.softcap_4dfb259c26d9_fwd(q, k, v, scale, *params)
     return _forward(q, k, v, scale, params)
 
 
@@ -3218,7 +3281,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, **params):
     lse = lse.contiguous()  # the kernels index it as [batch * heads, q_len] (a slice of a longer row is not)
     scale, params = _checked_scale_and_params(q, k, v, scale, params)
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        return torch.ops.attngen.softcap_fe4963b271b7_bwd(dout, dlse, q, k, v, out, lse, scale, *params)
+        return torch.ops.attngen.softcap_4dfb259c26d9_bwd(dout, dlse, q, k, v, out, lse, scale, *params)
     return _backward(dout, dlse, q, k, v, out, lse, scale, params)
 
 
