@@ -221,10 +221,36 @@ def test_a_float32_spec_cannot_ask_for_the_hopper_kernels(key):
         parse_spec(text, "s.toml")
 
 
+# Compiles the fused backward's delta kernel for sm_90a, with and without dLSE, and prints its PTX's loads.
+_COMPILE_DELTA = """
+import json, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from attngen.build import import_generated
+module = import_generated(Path(sys.argv[1]), "_attngen_sm90_delta")
+element = {"bfloat16": "*bf16", "float16": "*fp16"}[sys.argv[2]]
+strides = ("o_stride_b", "o_stride_h", "o_stride_m", "do_stride_b", "do_stride_h", "do_stride_m")
+fn = module._attention_bwd_delta
+for dlse in ("*fp32", "constexpr"):
+    types = {"O": element, "DO": element, "DLSE": dlse, "DELTA": "*fp32", "num_heads": "i32", "q_len": "i32",
+             **dict.fromkeys(strides, "i32")}
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    values = {"HEAD_DIM_V": module.HEAD_DIM_V, "BLOCK_M": 64, "BLOCK_DV": module.BLOCK_DV, "DLSE": None}
+    constexprs = {name: values[name] for name, kind in signature.items() if kind == "constexpr"}
+    source = ASTSource(fn, signature, constexprs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(json.dumps({"loads": ptx.count("ld.global")}))
+"""
+
+
 def test_the_fused_backwards_delta_in_the_interpreter():
     """delta = rowsum(dO * O) - dLSE, which the fused backward reads from a kernel of its own (the dQ
     kernels work it out beside dQ): a Triton kernel, so it runs here; with dO strided, or a gradient
-    expanded from one element (strides 0), and without dLSE."""
+    expanded from one element (strides 0), and without dLSE. It compiles for sm_90a too (where the
+    interpreter allows what a compiled kernel may not: it read HEAD_DIM_V, a plain global, and ran
+    here, where the H100 refused to compile it)."""
     import torch
 
     spec = with_config(load_spec("specs/causal.toml"), "triton_gpu", sm90_fused_backward=1)
@@ -240,3 +266,5 @@ def test_the_fused_backwards_delta_in_the_interpreter():
         module._delta(dout, dlse, out, delta)
         expected = (dout.double() * out.double()).sum(-1) - (0 if dlse is None else dlse.double())
         torch.testing.assert_close(delta.double(), expected, rtol=1e-5, atol=1e-5)
+    with_dlse, without = harness.compiled_structure(_COMPILE_DELTA, module.__file__, spec.dtype)
+    assert with_dlse["loads"] > without["loads"] > 0  # (no dLSE: no load of it)

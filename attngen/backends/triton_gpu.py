@@ -30,9 +30,10 @@ from attngen.backends.base import (
 )
 from attngen.backends.emit import Dialect
 
-# Whether heads up to 128 take the fused Hopper backward by default: not until the H200 has measured
-# it exact and faster than the dQ and dK/dV kernels (bench/sm90_forward.py, its "split" column). A
-# spec takes it with sm90_fused_backward = 1.
+# Whether heads up to 128 take the fused Hopper backward by default. Exact on an H100, where forward +
+# backward at 16k keys ran 1.04x the dQ and dK/dV kernels without a mask and 0.89x under causal
+# (BENCHMARKS.md, 2026-12-05): off until the H200's grid (bench/sm90_forward.py, its "split" column)
+# says where it wins. A spec takes it with sm90_fused_backward = 1.
 SM90_FUSED_BY_DEFAULT = False
 
 
