@@ -1938,7 +1938,6 @@ def _attention_fwd_sm90(
 # products of the dK/dV step run as asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T together,
 # then dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from registers. Same tile bounds, mask and score as _attention_bwd_dkdv.
 #
-#
 # Fused (DQ_SUMS given: FlashAttention-3's backward), the same kernel does the dQ kernel's work too, with
 # five products a step where the two kernels do seven (S and dP twice): both consumers put dS^T in
 # shared memory, and each works out half of dQ's columns over the block's 128 keys, dS K, which TMA
@@ -2245,8 +2244,8 @@ def _sm90_dkdv_consumer(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_sm
         while t >= 0:
             it = _sm90_dkdv_consume_tile(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                                          p_smem, ds_smem, ds_ready, dq_smem, kv_ready, kv_empty, ready, empty, t, done,
-                                         it, units, section_units, num_heads, q_len, kv_len, scale, param_prefix, param_prefix_size0, HALF, GROUP, SPLITS, STAGES,
-                                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
+                                         it, units, section_units, num_heads, q_len, kv_len, scale, param_prefix, param_prefix_size0,
+                                         HALF, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
             done += 1
             t = _sm90_take_tile(tile_smem, tile_ready, tile_empty, done)
     elif PERSISTENT:
@@ -2255,8 +2254,8 @@ def _sm90_dkdv_consumer(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_sm
         for t in range(gl.program_id(0), gl.cdiv(kv_len, BLOCK_N) * units, gl.num_programs(0)):
             it = _sm90_dkdv_consume_tile(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                                          p_smem, ds_smem, ds_ready, dq_smem, kv_ready, kv_empty, ready, empty, t, done,
-                                         it, units, section_units, num_heads, q_len, kv_len, scale, param_prefix, param_prefix_size0, HALF, GROUP, SPLITS, STAGES,
-                                         BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
+                                         it, units, section_units, num_heads, q_len, kv_len, scale, param_prefix, param_prefix_size0,
+                                         HALF, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
             done += 1
     else:  # a program per tile (`it` as a tensor: the loops carry it)
         t = gl.program_id(0)
@@ -2264,8 +2263,8 @@ def _sm90_dkdv_consumer(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_sm
         it = gl.to_tensor(0)
         it = _sm90_dkdv_consume_tile(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                                      p_smem, ds_smem, ds_ready, dq_smem, kv_ready, kv_empty, ready, empty, t, done,
-                                     it, units, section_units, num_heads, q_len, kv_len, scale, param_prefix, param_prefix_size0, HALF, GROUP, SPLITS, STAGES,
-                                     BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
+                                     it, units, section_units, num_heads, q_len, kv_len, scale, param_prefix, param_prefix_size0,
+                                     HALF, GROUP, SPLITS, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
 
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len"])
