@@ -492,7 +492,6 @@ def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...
     compute capability when it is on and the call's programs are not short (sm90_forward_min_keys),
     else the short-sequence forward up to short_kv_len keys, else the plain kernel."""
     config = ex.spec.config(ex.target)
-    fused_names = set()  # the chosen kernels that serve several kinds
 
     def why_not(kernel: Kernel) -> str | None:
         if kernel.capabilities and chip.capability not in kernel.capabilities:
@@ -518,7 +517,7 @@ def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...
             skipped[kernel.name] = f"{chosen[kind]} serves this call"
             if kind == "dq" and ex.spec.grad_params and not kernel.capabilities:  # (_backward's rule)
                 skipped[kernel.name] += ", and every call whose [grad] params want gradients (it gathers them)"
-            if chosen[kind] in fused_names and kernel.capabilities:  # (_backward's rule)
+            if kind_of(ex.maps[chosen[kind]].kernel) in SERVES and kernel.capabilities:  # (_backward's rule)
                 trained = " or one whose [grad] params want gradients" if ex.spec.grad_params and kind == "dkdv" else ""
                 skipped[kernel.name] += (
                     f"; a deterministic call (torch.use_deterministic_algorithms){trained} runs this one"
@@ -528,8 +527,6 @@ def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...
         else:
             for served in SERVES.get(kind, (kind,)):
                 chosen[served] = kernel.name
-            if kind in SERVES:
-                fused_names.add(kernel.name)
     launched = tuple(name for name in ex.maps if name in chosen.values())
     return launched, {name: skipped[name] for name in ex.maps if name in skipped}
 
