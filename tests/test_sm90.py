@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from attngen.backends.triton_gpu import SM90_FUSED_BY_DEFAULT
 from attngen.errors import SpecError
 from attngen.spec import load_spec, packed, parse_spec, retarget, with_config
 from tests import harness
@@ -115,10 +114,17 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
         assert ("def _attention_bwd_delta" in source) == bool(config.sm90_fused_backward)
         return config.sm90_forward, *backward.values(), config.sm90_fused_backward
 
-    # The fused backward: where it can run (heads up to 128), by SM90_FUSED_BY_DEFAULT.
-    fused = int(SM90_FUSED_BY_DEFAULT)
-    assert enabled(128, "bfloat16") == enabled(128, "float16") == (1, 1, 1, fused)
-    assert enabled(64, "bfloat16") == (1, 1, 1, fused)
+    assert enabled(128, "bfloat16") == enabled(128, "float16") == (1, 1, 1, 0)
+    assert enabled(64, "bfloat16") == (1, 1, 1, 0)
+    # The fused backward serves plain attention at heads of 65-128 (where it was measured faster).
+    fused = {
+        (name, head_dim): retarget(load_spec(f"specs/{name}.toml"), head_dim, "bfloat16")
+        .config("triton_gpu")
+        .sm90_fused_backward
+        for name in ("full", "causal", "softcap")
+        for head_dim in (64, 96, 128)
+    }
+    assert fused == {**dict.fromkeys(fused, 0), ("full", 96): 1, ("full", 128): 1}
     # Three consumers (192 queries a program) for plain attention at heads of 64, two elsewhere.
     rows = {
         (name, head_dim): retarget(load_spec(f"specs/{name}.toml"), head_dim, "bfloat16")
@@ -145,7 +151,7 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
     bias, relative = (load_spec(f"specs/{name}.toml").config("triton_gpu") for name in ("bias", "relative_bias"))
     assert (bias.sm90_forward, bias.sm90_backward, bias.sm90_dq, bias.sm90_fused_backward) == (0, 0, 0, 0)
     hopper = ("sm90_forward", "sm90_backward", "sm90_dq", "sm90_fused_backward")
-    assert [getattr(relative, key) for key in hopper] == [1, 1, 1, fused]
+    assert [getattr(relative, key) for key in hopper] == [1, 1, 1, 0]
     # A spec opts in (or out) where it can run.
     for head_dim in (64, 128):
         text = f'name = "s"\nhead_dim = {head_dim}\ndtype = "bfloat16"\n[triton]\nsm90_fused_backward = 1\n'

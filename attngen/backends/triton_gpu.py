@@ -30,11 +30,15 @@ from attngen.backends.base import (
 )
 from attngen.backends.emit import Dialect
 
-# Whether heads up to 128 take the fused Hopper backward by default. Exact on an H100, where forward +
-# backward at 16k keys ran 1.04x the dQ and dK/dV kernels without a mask and 0.89x under causal
-# (BENCHMARKS.md, 2026-12-05): off until the H200's grid (bench/sm90_forward.py, its "split" column)
-# says where it wins. A spec takes it with sm90_fused_backward = 1.
-SM90_FUSED_BY_DEFAULT = False
+
+def _sm90_fused_by_default(shape: ProblemShape) -> bool:
+    """Whether the fused Hopper backward serves a spec of this shape by default (where it can run):
+    plain attention at heads of 65-128, where forward + backward at 16k keys ran 1.01-1.08x the dQ
+    and dK/dV kernels in three runs on an H100 (BENCHMARKS.md, 2026-12-05). Not at heads of 64 (0.96x
+    plain), nor yet under a mask or a score, one run each: 1.00-1.06x under causal, prefix-LM, softcap
+    and a sliding window, but 0.88x chunked and 0.67x with ALiBi slopes read from a tensor. A spec
+    takes it or leaves it with sm90_fused_backward."""
+    return shape.plain and 64 < shape.widest <= 128
 
 
 @dataclass(frozen=True)
@@ -126,9 +130,9 @@ class TritonConfig:
     # five products a step where the two kernels do seven, dQ added up in float32 by TMA reductions in
     # an order that varies from run to run. sm90_fused_block_n keys per program (64 per consumer),
     # sm90_fused_block_m queries per step through a ring of sm90_fused_num_stages Q/dO buffers. For
-    # heads up to 128 (make_config sets its default: SM90_FUSED_BY_DEFAULT); calls that want
+    # heads up to 128 (make_config sets its default: _sm90_fused_by_default); calls that want
     # deterministic gradients, or gradients of trained params, run the two kernels above.
-    sm90_fused_backward: int = int(SM90_FUSED_BY_DEFAULT)
+    sm90_fused_backward: int = 0
     sm90_fused_block_m: int = 64
     sm90_fused_block_n: int = 128
     sm90_fused_num_warps: int = 4
@@ -494,7 +498,7 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         )
         return None
     fused = bool(config["sm90_backward"]) and shape.widest <= 128 and _sm90_fused_fits(config, shape)
-    config.setdefault("sm90_fused_backward", int(fused and SM90_FUSED_BY_DEFAULT))
+    config.setdefault("sm90_fused_backward", int(fused and _sm90_fused_by_default(shape)))
     if table.get("sm90_fused_backward") and not fused:
         why = (
             "it needs the Hopper dK/dV kernel (sm90_backward)"

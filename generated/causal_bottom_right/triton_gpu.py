@@ -1982,11 +1982,7 @@ def _sm90_dkdv_load_tile(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_
         q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, BLOCK_M, BLOCK_N)
         row = (b * num_heads + h).to(gl.int64) * q_len  # this head's first entry of LSE and delta
         it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
-                                 DELTA + row, q_lo, q_full_lo, it, q_len, STAGES, BLOCK_M)
-        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
-                                 DELTA + row, q_full_lo, q_full_hi, it, q_len, STAGES, BLOCK_M)
-        it = _sm90_dkdv_load_run(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, h, LSE + row,
-                                 DELTA + row, q_full_hi, q_hi, it, q_len, STAGES, BLOCK_M)
+                                 DELTA + row, q_lo, q_hi, it, q_len, STAGES, BLOCK_M)
     return it
 
 
@@ -2040,10 +2036,11 @@ def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_sme
 
 @gluon.jit
 def _sm90_dkdv_consume_run(dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem,
-                           ds_ready, dq_smem, DQ_SUMS, ready, empty, b, h, block_lo, block_hi, kv_idx, q_len, kv_len,
-                           scale, MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                           HALF: gl.constexpr):
-    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE).
+                           ds_ready, dq_smem, DQ_SUMS, ready, empty, b, h, block_lo, block_hi, full_lo, full_hi, kv_idx, q_len,
+                           kv_len, scale, MASK: gl.constexpr, STAGES: gl.constexpr,
+                           BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE,
+    masked as MASK says: see the runs at the top).
     Where dK and dV are narrower than the head (COLUMNS: both consumers hold the same keys), each
     works out S^T, dP^T, P^T and dS^T for its half of each block's queries, puts P^T and dS^T in
     shared memory (p_smem, ds_smem: two steps' worth), and once both halves are there multiplies
@@ -2080,8 +2077,11 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, 
         dp = warpgroup_mma(v_tile, do_queries.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(1, deps=(qk, k_tile, q_queries))[0]
         p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale), gl.expand_dims(lse, 0))
-        if MASKED:
+        if MASK == 1:
             p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len), p, 0.0)
+        elif MASK == 2:
+            if (block < full_lo) | (block >= full_hi):  # a PARTIAL block
+                p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len), p, 0.0)
         delta = delta_smem.index(slot).slice(FIRST_QUERY, QUERIES).load(cols)
         dp = warpgroup_mma_wait(0, deps=(dp, v_tile, do_queries))[0]
         ds = p * (dp - gl.expand_dims(delta, 0))
@@ -2172,21 +2172,28 @@ def _sm90_dkdv_consume_tile(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, ls
         h = part * (GROUP // SPLITS) + g
         # The bounds of the whole kv block, as the loader walks them (this half's keys are masked).
         q_lo, q_hi, q_full_lo, q_full_hi = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, BLOCK_M, BLOCK_N)
-        dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
-            dq_smem, DQ_SUMS, ready, empty, b, h, q_lo, q_full_lo, kv_idx, q_len, kv_len, scale, True,
-            STAGES, BLOCK_M, HALF,
-        )
-        dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
-            dq_smem, DQ_SUMS, ready, empty, b, h, q_full_lo, q_full_hi, kv_idx, q_len, kv_len, scale, False,
-            STAGES, BLOCK_M, HALF,
-        )
-        dk, dv, it = _sm90_dkdv_consume_run(
-            dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
-            dq_smem, DQ_SUMS, ready, empty, b, h, q_full_hi, q_hi, kv_idx, q_len, kv_len, scale, True,
-            STAGES, BLOCK_M, HALF,
-        )
+        if DQ_SUMS is not None:  # fused: one loop (see the runs at the top)
+            dk, dv, it = _sm90_dkdv_consume_run(
+                dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+                dq_smem, DQ_SUMS, ready, empty, b, h, q_lo, q_hi, q_full_lo, q_full_hi, kv_idx, q_len, kv_len,
+                scale, 2, STAGES, BLOCK_M, HALF,
+            )
+        else:
+            dk, dv, it = _sm90_dkdv_consume_run(
+                dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+                dq_smem, DQ_SUMS, ready, empty, b, h, q_lo, q_full_lo, 0, 0, kv_idx, q_len, kv_len,
+                scale, 1, STAGES, BLOCK_M, HALF,
+            )
+            dk, dv, it = _sm90_dkdv_consume_run(
+                dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+                dq_smem, DQ_SUMS, ready, empty, b, h, q_full_lo, q_full_hi, 0, 0, kv_idx, q_len, kv_len,
+                scale, 0, STAGES, BLOCK_M, HALF,
+            )
+            dk, dv, it = _sm90_dkdv_consume_run(
+                dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
+                dq_smem, DQ_SUMS, ready, empty, b, h, q_full_hi, q_hi, 0, 0, kv_idx, q_len, kv_len,
+                scale, 1, STAGES, BLOCK_M, HALF,
+            )
     # Every product that read K and V has been waited for: the loader may fetch the next tile's.
     mbarrier.arrive(kv_empty, count=1)
     if DQ_SUMS is not None:

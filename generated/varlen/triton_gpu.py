@@ -2080,10 +2080,11 @@ def _sm90_dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_smem, v_sme
 
 @gluon.jit
 def _sm90_dkdv_consume_run(dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem,
-                           ds_ready, dq_smem, DQ_SUMS, ready, empty, b, h, blocks, count, kv_idx, q_len, kv_len,
-                           scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, MASKED: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                           HALF: gl.constexpr):
-    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE).
+                           ds_ready, dq_smem, DQ_SUMS, ready, empty, b, h, blocks, count, full_lo, full_hi, kv_idx, q_len,
+                           kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, MASK: gl.constexpr, STAGES: gl.constexpr,
+                           BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup's dK and dV contributions from one run of q blocks (P from the LSE,
+    masked as MASK says: see the runs at the top).
     Where dK and dV are narrower than the head (COLUMNS: both consumers hold the same keys), each
     works out S^T, dP^T, P^T and dS^T for its half of each block's queries, puts P^T and dS^T in
     shared memory (p_smem, ds_smem: two steps' worth), and once both halves are there multiplies
@@ -2121,8 +2122,11 @@ def _sm90_dkdv_consume_run(dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, 
         dp = warpgroup_mma(v_tile, do_queries.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(1, deps=(qk, k_tile, q_queries))[0]
         p = _probs(_logits(qk, q_idx, kv_idx, b, h, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1), gl.expand_dims(lse, 0))
-        if MASKED:
+        if MASK == 1:
             p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1), p, 0.0)
+        elif MASK == 2:
+            if (block < full_lo) | (block >= full_hi):  # a PARTIAL block
+                p = gl.where(_visible(q_idx, kv_idx, b, h, q_len, kv_len, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1), p, 0.0)
         delta = delta_smem.index(slot).slice(FIRST_QUERY, QUERIES).load(cols)
         dp = warpgroup_mma_wait(0, deps=(dp, v_tile, do_queries))[0]
         ds = p * (dp - gl.expand_dims(delta, 0))
@@ -2215,13 +2219,13 @@ def _sm90_dkdv_consume_tile(DK, DV, DQ_SUMS, k_smem, v_smem, q_smem, do_smem, ls
         lists, count, full_lists, full_count = _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, TABLES, tables_stride_b, tables_stride_h, BLOCK_M, BLOCK_N)
         dk, dv, it = _sm90_dkdv_consume_run(
             dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
-            dq_smem, DQ_SUMS, ready, empty, b, h, lists + 1, count, kv_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, True,
-            STAGES, BLOCK_M, HALF,
+            dq_smem, DQ_SUMS, ready, empty, b, h, lists + 1, count, 0, 0, kv_idx, q_len, kv_len,
+            scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, 1, STAGES, BLOCK_M, HALF,
         )
         dk, dv, it = _sm90_dkdv_consume_run(
             dk, dv, it, k_smem, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, ds_ready,
-            dq_smem, DQ_SUMS, ready, empty, b, h, full_lists + 1, full_count, kv_idx, q_len, kv_len, scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, False,
-            STAGES, BLOCK_M, HALF,
+            dq_smem, DQ_SUMS, ready, empty, b, h, full_lists + 1, full_count, 0, 0, kv_idx, q_len, kv_len,
+            scale, param_seq_q, param_seq_q_size0, param_seq_q_size1, param_seq_kv, param_seq_kv_size0, param_seq_kv_size1, param_pos_q, param_pos_q_size0, param_pos_q_size1, param_pos_kv, param_pos_kv_size0, param_pos_kv_size1, 0, STAGES, BLOCK_M, HALF,
         )
     # Every product that read K and V has been waited for: the loader may fetch the next tile's.
     mbarrier.arrive(kv_empty, count=1)
