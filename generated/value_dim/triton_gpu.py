@@ -14,6 +14,7 @@ calls run the same kernels through a torch.autograd.Function, which costs less h
 
 import functools
 import math
+import threading
 import weakref
 from typing import NamedTuple, Optional
 
@@ -286,14 +287,38 @@ def _stream_key(device):
     """The key of buffers that eager calls on `device`'s current stream keep and share across calls
     (launches on one stream run one after another): (device, the stream's handle; None on the CPU).
     None under CUDA-graph capture, where a call takes fresh ones: a graph may outlive what is kept
-    and be replayed on any stream."""
-    if _capturing(device):
+    and be replayed on any stream; None in a custom op's call too (_fresh_in_graphs)."""
+    if _capturing(device) or _OPS_UNDER_WAY.depth:
         return None
     if device.type != "cuda":
         return device, None
     # (the stream's handle as Inductor's generated code reads it: torch.cuda.current_stream builds a
     # Stream object, ~5 us)
     return device, torch._C._cuda_getCurrentRawStream(device.index)
+
+
+class _OpsUnderWay(threading.local):
+    depth = 0  # this thread's custom op calls under way (_fresh_in_graphs)
+
+
+_OPS_UNDER_WAY = _OpsUnderWay()
+
+
+def _fresh_in_graphs(op):
+    """A custom op's implementation, which torch.compile's graphs call: what it allocates is fresh,
+    nothing kept for later calls (_stream_key). Inductor's CUDA graphs (mode="reduce-overhead") first
+    run a graph in their own memory pool, on a stream of their own, and refuse to capture it while a
+    tensor made there is neither returned nor freed: a buffer kept for the next call would be one."""
+
+    @functools.wraps(op)
+    def call(*args):
+        _OPS_UNDER_WAY.depth += 1
+        try:
+            return op(*args)
+        finally:
+            _OPS_UNDER_WAY.depth -= 1
+
+    return call
 
 
 _KEPT = {}  # (_stream_key, name) -> a buffer eager calls on that stream share (_stream_buffer)
@@ -3025,6 +3050,7 @@ _OP = "value_dim_ecf39f298b9c"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
+    @_fresh_in_graphs
     def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         return _forward(q, k, v, scale, [])
 
@@ -3033,6 +3059,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         return _output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.custom_op(f"attngen::{_OP}_bwd", mutates_args=())
+    @_fresh_in_graphs
     def _bwd_op(
         dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float,
@@ -3056,6 +3083,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
     @torch.library.custom_op(f"attngen::{_OP}_fp8", mutates_args=())
+    @_fresh_in_graphs
     def _fp8_op(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: Optional[torch.Tensor],
         k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], scale: float,
@@ -3070,6 +3098,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         return _output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)  # (in the spec's dtype)
 
     @torch.library.custom_op(f"attngen::{_OP}_kvcache", mutates_args=())
+    @_fresh_in_graphs
     def _kvcache_op(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
         block_table: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
@@ -3090,6 +3119,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         return q.new_empty((*rows, HEAD_DIM_V)), q.new_empty(lse_rows, dtype=torch.float32)
 
     @torch.library.custom_op(f"attngen::{_OP}_kvcache_append", mutates_args=("k_cache", "v_cache"))
+    @_fresh_in_graphs
     def _append_op(
         k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
         k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
