@@ -489,8 +489,9 @@ def explain(
 def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...], dict[str, str]]:
     """(the kernel of each kind a call runs on `chip`, {each other kernel: why not}), picked as the
     generated module picks (templates/triton_gpu/module.py.jinja): a kernel built for the chip's
-    compute capability when it is on and the call's programs are not short (sm90_forward_min_keys),
-    else the short-sequence forward up to short_kv_len keys, else the plain kernel."""
+    compute capability when it is on and the call's programs are not short (sm90_forward_min_keys,
+    sm90_fused_min_queries), else the short-sequence forward up to short_kv_len keys, else the plain
+    kernel."""
     config = ex.spec.config(ex.target)
 
     def why_not(kernel: Kernel) -> str | None:
@@ -506,6 +507,8 @@ def launched_kernels(ex: Explanation, chip: Accelerator) -> tuple[tuple[str, ...
             return None if ex.problem.kv_len <= config.short_kv_len else f"only up to {config.short_kv_len} keys"
         if kernel.enabled_by and not getattr(config, kernel.enabled_by):
             return f"off ({kernel.enabled_by} = 0)"
+        if kernel.name == "bwd_fused_sm90" and ex.problem.q_len <= config.sm90_fused_min_queries:
+            return f"{ex.problem.q_len} queries, at most sm90_fused_min_queries = {config.sm90_fused_min_queries}"
         return None
 
     chosen, skipped = {}, {}

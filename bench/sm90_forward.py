@@ -4,14 +4,15 @@ Rows: the grid of bench/speed.py (causal and full, bf16, D = 64 / 128, N = 1k / 
 16k tokens, H·D = 2048), then the mask and score rows at D = 128, N = 16k (a full bias at 4k, its
 tensor growing as N²). Each row times the forward and forward + backward of: ours with the Hopper
 kernels ("sm90": the Gluon forward, dQ and dK/dV kernels where they serve the call, as a spec's
-sm90_forward_min_keys sends short programs to the Triton forward; the fused backward where the
-module builds it), the same with the dQ and dK/dV kernels in place of the fused backward ("split":
-SM90_FUSED_BACKWARD = 0, what deterministic calls run), the same module with the Hopper kernels turned
-off ("triton": SM90_FORWARD = SM90_DQ = SM90_BACKWARD = 0 around the whole timed call, the Triton
-kernels alone), and the peers -- SDPA's cuDNN and FlashAttention-2 backends where they express the
-mask, else compiled FlexAttention. Before timing, each of our two forwards is checked against
-float64 at the row's length (one sequence, two heads, fresh inputs), by attngen.exactness's rule
-with the reference run in bf16 as the baseline; the gradients are proven in tests/test_gpu.py.
+sm90_forward_min_keys sends short programs to the Triton forward; the fused backward wherever it
+can run, at every length), the same with the dQ and dK/dV kernels in place of the fused backward
+("split": SM90_FUSED_BACKWARD = 0, what deterministic calls run), the same module with the Hopper
+kernels turned off ("triton": SM90_FORWARD = SM90_DQ = SM90_BACKWARD = 0 around the whole timed
+call, the Triton kernels alone), and the peers -- SDPA's cuDNN and FlashAttention-2 backends where
+they express the mask, else compiled FlexAttention. Before timing, each of our two forwards is
+checked against float64 at the row's length (one sequence, two heads, fresh inputs), by
+attngen.exactness's rule with the reference run in bf16 as the baseline; the gradients are proven
+in tests/test_gpu.py.
 Times: triton.testing.do_bench medians, each call timed once a round in turn with the others, the
 order reversed every other round, the median of the rounds (attngen.timing).
 --graphs also times each call replayed from a CUDA graph, the kernels' time without the host's, and
@@ -86,8 +87,8 @@ def run_row(case, head_dim: int, seq: int, sm90_everywhere: bool, graphs: bool) 
     spec = retarget(load_spec(ROOT / "specs" / f"{case.spec}.toml"), head_dim, "bfloat16")
     if sm90_everywhere:  # also where the defaults leave them out (head dims of 64), to measure them there
         spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_backward=1, sm90_dq=1)
-    if spec.config("triton_gpu").sm90_backward and head_dim <= 128:  # (the fused backward, where it can run)
-        spec = with_config(spec, "triton_gpu", sm90_fused_backward=1)
+    if spec.config("triton_gpu").sm90_backward and head_dim <= 128:  # (the fused backward, wherever it can run)
+        spec = with_config(spec, "triton_gpu", sm90_fused_backward=1, sm90_fused_min_queries=0)
     module = load(spec, "triton_gpu")
     q, k, v, dout = (
         torch.randn(row.batch, row.heads, seq, head_dim, device=device, dtype=torch.bfloat16) for _ in range(4)

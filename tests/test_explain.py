@@ -193,12 +193,13 @@ def test_explain_picks_the_forward_a_window_takes_on_hopper():
 def test_explain_says_which_backward_kernels_serve_which_calls():
     """On Hopper the fused backward, where a spec takes it, serves a call (it does the dQ and the dK/dV
     kernels' work: both costed as one), the Gluon dQ and dK/dV kernels a deterministic call, and the
-    Triton dQ kernel a call whose [grad] params want gradients (the generated module's _backward)."""
+    Triton dQ kernel a call whose [grad] params want gradients (the generated module's _backward); a
+    call of at most sm90_fused_min_queries queries the dQ and dK/dV kernels."""
     fused = {
         name: with_config(load_spec(ROOT / f"specs/{name}.toml"), "triton_gpu", sm90_fused_backward=1)
         for name in ("alibi_slopes", "causal")
     }
-    ex = explain(fused["alibi_slopes"], Problem(1024, 1024), accelerator="h200")
+    ex = explain(fused["alibi_slopes"], Problem(4096, 4096), accelerator="h200")
     assert "bwd_fused_sm90" in ex.launched and "bwd_dq_sm90" not in ex.launched
     assert ex.not_launched["bwd_dq"] == (
         "bwd_fused_sm90 serves this call, and every call whose [grad] params want gradients (it gathers them)"
@@ -208,8 +209,11 @@ def test_explain_says_which_backward_kernels_serve_which_calls():
     assert (
         ex.not_launched["bwd_dkdv_sm90"] == f"{deterministic} or one whose [grad] params want gradients runs this one"
     )
-    plain = explain(fused["causal"], Problem(1024, 1024), accelerator="h200")
+    plain = explain(fused["causal"], Problem(2049, 2049), accelerator="h200")
     assert plain.not_launched["bwd_dq"] == "bwd_fused_sm90 serves this call"
+    short = explain(fused["causal"], Problem(2048, 4096), accelerator="h200")
+    assert {"bwd_dq_sm90", "bwd_dkdv_sm90"} <= set(short.launched)
+    assert short.not_launched["bwd_fused_sm90"] == "2048 queries, at most sm90_fused_min_queries = 2048"
     # Where it is off (heads of 256 cannot take it), the dQ and dK/dV kernels serve every call.
     wide = explain(
         retarget(load_spec(ROOT / "specs/causal.toml"), 256, "bfloat16"), Problem(1024, 1024), accelerator="h200"

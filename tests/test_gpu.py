@@ -132,7 +132,8 @@ def test_the_hopper_kernels_are_exact_for_every_spec(name, dtype, backward):
     if fused and max(spec.head_dim, spec.value_dim) > 128:
         pytest.skip("heads wider than 128 build no fused backward")
     hopper = {"sm90_forward": 1, "sm90_backward": 1, "sm90_dq": 1, "sm90_fused_backward": int(fused)}
-    module = harness.load_target(with_config(spec, "triton_gpu", sm90_forward_min_keys=0, **hopper), "triton_gpu")
+    short = {"sm90_forward_min_keys": 0, "sm90_fused_min_queries": 0}
+    module = harness.load_target(with_config(spec, "triton_gpu", **short, **hopper), "triton_gpu")
     q, k, v, dout, params = _grouped_problem(spec, name)
     assert all(module._runs_sm90(q, switch) for switch in (module.SM90_FORWARD, module.SM90_BACKWARD, module.SM90_DQ))
 
@@ -159,7 +160,8 @@ def test_the_fused_backward_and_its_deterministic_alternative(name):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernels run on sm90 GPUs only")
     spec = harness.with_dtype(load_spec(f"specs/{name}.toml"), "bfloat16")
-    module = harness.load_target(with_config(spec, "triton_gpu", sm90_fused_backward=1), "triton_gpu")
+    spec = with_config(spec, "triton_gpu", sm90_fused_backward=1, sm90_fused_min_queries=0)
+    module = harness.load_target(spec, "triton_gpu")
     q, k, v, dout, params = _grouped_problem(spec, name)
     dlse = torch.randn(q.shape[:3], device=q.device, generator=torch.Generator(q.device).manual_seed(3))
 
@@ -229,7 +231,8 @@ def test_the_persistent_hopper_kernels_walk_many_tiles_a_program(name, head_dim,
     fused = backward == "fused"
     if fused and max(spec.head_dim, spec.value_dim) > 128:
         pytest.skip("heads wider than 128 build no fused backward")
-    spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_forward_min_keys=0, sm90_fused_backward=int(fused))
+    short = {"sm90_forward_min_keys": 0, "sm90_fused_min_queries": 0}
+    spec = with_config(spec, "triton_gpu", sm90_forward=1, sm90_fused_backward=int(fused), **short)
     module = harness.load_target(spec, "triton_gpu")
     assert module.SM90_BACKWARD and module.SM90_DQ
     assert module.SM90_DKDV_BLOCK_N == (64 if max(module.BLOCK_D, module.BLOCK_DV) > 128 else 128)

@@ -133,6 +133,12 @@ class TritonConfig:
     # heads up to 128 (make_config sets its default: _sm90_fused_by_default); calls that want
     # deterministic gradients, or gradients of trained params, run the two kernels above.
     sm90_fused_backward: int = 0
+    # A call of at most sm90_fused_min_queries queries runs the two kernels instead (0: every call
+    # takes the fused one): each fused program walks every query block of its keys, and short walks
+    # lose. Plain attention, D = 128, forward + backward, fused / the two kernels on an H100: 0.95-0.97x
+    # at 1k queries, 0.99-1.00x at 2k, 1.04x at 4k, 1.06-1.09x at 16k (BENCHMARKS.md, 2026-12-05,
+    # "the fused backward by length"). make_config sets 2048.
+    sm90_fused_min_queries: int = 0
     sm90_fused_block_m: int = 64
     sm90_fused_block_n: int = 128
     sm90_fused_num_warps: int = 4
@@ -459,7 +465,11 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         if table.get(key) and shape is not None and shape.dtype == "float32":
             why = "FP8 writes its output in the spec's dtype" if key == "sm90_fp8" else "wgmma takes no float32 inputs"
             report(f"triton {key} needs fp16 or bf16: {why}", key)
-    for key, off in (("short_kv_len", "the short-sequence forward"), ("sm90_forward_min_keys", "the choice by keys")):
+    for key, off in (
+        ("short_kv_len", "the short-sequence forward"),
+        ("sm90_forward_min_keys", "the choice by keys"),
+        ("sm90_fused_min_queries", "the choice by queries"),
+    ):
         if key in table and not 0 <= table[key] < 2**31:
             report(f"triton {key} must be in 0..2**31-1, got {table[key]}", key, f"0 turns {off} off")
     if report.count or shape is None:  # (no shape: a spec with other problems; values checked only)
@@ -499,6 +509,7 @@ def make_config(table: dict[str, int], shape: ProblemShape | None, report: Repor
         return None
     fused = bool(config["sm90_backward"]) and shape.widest <= 128 and _sm90_fused_fits(config, shape)
     config.setdefault("sm90_fused_backward", int(fused and _sm90_fused_by_default(shape)))
+    config.setdefault("sm90_fused_min_queries", 2048)
     if table.get("sm90_fused_backward") and not fused:
         why = (
             "it needs the Hopper dK/dV kernel (sm90_backward)"

@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 64 queries x 64 keys; closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.local_window_c5193e598068_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.local_window_d2380c5063f0_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -1419,8 +1419,8 @@ def attention_with_kvcache(
         descales = [_number_as_tensor(x, q.device) for x in (k_descale, v_descale)]
         with torch.no_grad():
             if appended:
-                cache_seqlens = torch.ops.attngen.local_window_c5193e598068_kvcache_append(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
-            out, lse = torch.ops.attngen.local_window_c5193e598068_kvcache(
+                cache_seqlens = torch.ops.attngen.local_window_d2380c5063f0_kvcache_append(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
+            out, lse = torch.ops.attngen.local_window_d2380c5063f0_kvcache(
                 q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q, max_seqlen_q, *descales,
                 float(scale), num_splits, workspace, *scalars.values(), *tensors.values(),
             )
@@ -3064,7 +3064,7 @@ def _sm_count(device):
 # costs host time). The ops take a spec's params in _check_params' order, as the kernels do.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "local_window_c5193e598068"
+_OP = "local_window_d2380c5063f0"
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
@@ -3095,7 +3095,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     def _autograd_backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.attngen.local_window_c5193e598068_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.local_window_d2380c5063f0_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -3207,7 +3207,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
         scale = 1.0 / math.sqrt(HEAD_DIM)
     scale, params = float(scale), [*scalars.values(), *tensors.values()]
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        out, lse = torch.ops.attngen.local_window_c5193e598068_fwd(q, k, v, scale, *params)
+        out, lse = torch.ops.attngen.local_window_d2380c5063f0_fwd(q, k, v, scale, *params)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
         out, lse = _Attention.apply(q, k, v, scale, *params)  # eager: cheaper than the custom op's dispatch
     else:  # no gradient wanted (inference): the kernels without autograd's bookkeeping
@@ -3246,7 +3246,7 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, sc
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break), without autograd as eager
         descales = [_number_as_tensor(x, q.device) for x in (q_descale, k_descale, v_descale)]
         with torch.no_grad():
-            out, lse = torch.ops.attngen.local_window_c5193e598068_fp8(q, k, v, *descales, scale, *params)
+            out, lse = torch.ops.attngen.local_window_d2380c5063f0_fp8(q, k, v, *descales, scale, *params)
     else:
         out, lse = _forward(q, k, v, scale, params, _fp8_descales(q.device, *k.shape[:2], q_descale, k_descale, v_descale))
     (out,) = _as_bhsd(layout, out)
@@ -3310,7 +3310,7 @@ def attention_forward(q, k, v, *, scale=None, **params):
     """
     scale, params = _checked_scale_and_params(q, k, v, scale, params)
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        return torch.ops.attngen.local_window_c5193e598068_fwd(q, k, v, scale, *params)
+        return torch.ops.attngen.local_window_d2380c5063f0_fwd(q, k, v, scale, *params)
     return _forward(q, k, v, scale, params)
 
 
@@ -3321,7 +3321,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, **params):
     lse = lse.contiguous()  # the kernels index it as [batch * heads, q_len] (a slice of a longer row is not)
     scale, params = _checked_scale_and_params(q, k, v, scale, params)
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        return torch.ops.attngen.local_window_c5193e598068_bwd(dout, dlse, q, k, v, out, lse, scale, *params)
+        return torch.ops.attngen.local_window_d2380c5063f0_bwd(dout, dlse, q, k, v, out, lse, scale, *params)
     return _backward(dout, dlse, q, k, v, out, lse, scale, params)
 
 
