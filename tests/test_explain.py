@@ -194,7 +194,7 @@ def test_explain_says_which_backward_kernels_serve_which_calls():
     """On Hopper the fused backward, where a spec takes it, serves a call (it does the dQ and the dK/dV
     kernels' work: both costed as one), the Gluon dQ and dK/dV kernels a deterministic call, and the
     Triton dQ kernel a call whose [grad] params want gradients (the generated module's _backward); a
-    call of at most sm90_fused_min_queries queries the dQ and dK/dV kernels."""
+    call of at most sm90_fused_min_queries queries runs the dQ and dK/dV kernels."""
     fused = {
         name: with_config(load_spec(ROOT / f"specs/{name}.toml"), "triton_gpu", sm90_fused_backward=1)
         for name in ("alibi_slopes", "causal")
