@@ -75,6 +75,9 @@ def test_specs_compile_for_every_target(spec_file, group):
     # GPUs without TMA launch their own tiles (POINTER_TILES), chosen to spill nowhere on sm80.
     spills = [f.line() for f in findings if f.target == "sm80" and f.warning]
     assert not spills, spills
+    # Where an NVIDIA kernel spills, the check says at which loop depth its spill instructions sit.
+    nvidia = [f for f in findings if f.target.startswith("sm") and f.resources.get("stack_bytes")]
+    assert all("spills_by_loop_depth" in f.resources for f in nvidia), [f.line() for f in nvidia]
     tpu = [f for f in findings if f.target.startswith("tpu")]
     assert all("lowered to Mosaic only" not in f.warning for f in tpu), "libtpu missing: no real Mosaic compile"
 
@@ -268,3 +271,50 @@ def test_only_the_libtpu_notice_is_held_back(capfd):
     with _libtpu_notice_held_back():
         os.write(2, b"E0001 a real error\n" + notice + b"another real line\n")
     assert capfd.readouterr().err == "E0001 a real error\nanother real line\n"
+
+
+# A kernel's SASS as cuobjdump prints it (the encodings left out): a loop with an out-of-line path
+# that returns into it from after the kernel's end, and, reached only through BRX, a partition of two
+# nested loops; then the spin after the last EXIT.
+_SASS = """
+        /*0000*/              @P3 BRX R2 -0x10 ;
+        /*0010*/                  STL [R1], R2 ;
+        /*0020*/                  ISETP.GE.AND P0, PT, R3, R4, PT ;
+        /*0030*/              @P0 BRA 0x90 ;
+        /*0040*/                  LDL R5, [R1] ;
+        /*0050*/                  IADD3 R3, R3, 0x1, RZ ;
+        /*0060*/             @!P1 BRA 0x20 ;
+        /*0070*/                  STL [R1+0x4], R6 ;
+        /*0080*/                  EXIT ;
+        /*0090*/                  STL [R1+0x8], R7 ;
+        /*00a0*/                  BRA 0x40 ;
+        /*00b0*/                  STL [R1+0xc], R8 ;
+        /*00c0*/                  MOV R9, R10 ;
+        /*00d0*/                  LDL R11, [R1+0xc] ;
+        /*00e0*/              @P2 BRA 0xd0 ;
+        /*00f0*/              @P4 BRA 0xc0 ;
+        /*0100*/                  EXIT ;
+        /*0110*/                  BRA 0x110 ;
+"""
+
+
+def test_spills_are_counted_by_the_loops_that_hold_them():
+    """Loops are found by dominators, not by branches to lower addresses: the out-of-line path's STL
+    is in the loop it returns to, and the STL after that loop (below the path's branch back) is not."""
+    from attngen.check.sass import spills_by_loop_depth
+
+    assert spills_by_loop_depth(_SASS) == (3, 2, 1)  # 0x10, 0x70, 0xb0; 0x40, 0x90; 0xd0
+    assert spills_by_loop_depth("") == (0,)
+
+
+@pytest.mark.parametrize(
+    "by_depth, says",
+    [
+        ("7", "little; its spill instructions are all outside the kernel's loops"),
+        ("50/48/37", "37 of its spill instructions sit 2 loops deep (by depth: 50/48/37); 128 B per thread"),
+    ],
+)
+def test_a_spill_warning_says_where_the_spills_sit(by_depth, says):
+    resources = {"registers": 168, "stack_bytes": 128, "spills_by_loop_depth": by_depth}
+    finding = Finding("sm90", "fwd_sm90", "", ok=True, warning="registers spill", resources=resources)
+    assert says in finding.line()

@@ -26,6 +26,7 @@ from pathlib import Path
 from attngen.backends.base import FP8, Arg, Kernel
 from attngen.backends.triton_gpu import SM90_SHARED_BYTES, TILE_KEYS, TRITON_GPU
 from attngen.build import import_generated
+from attngen.check import sass
 from attngen.check.report import Finding
 
 
@@ -181,18 +182,27 @@ def _nvmma_descriptor_type(dtype: str, rows: int, width: int) -> str:
 
 
 def _resource_usage(cubin: bytes) -> dict:
-    """Registers and stack frame (bytes; > 0 means spills) of the cubin Triton built."""
+    """Registers and stack frame (bytes; > 0 means spills) of the cubin Triton built, and where it
+    spills: its spill instructions by loop depth (attngen.check.sass), "a/b/c" from outside any loop
+    to the innermost."""
     from triton.backends import nvidia
 
     cuobjdump = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        report = subprocess.run(
-            [cuobjdump, "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
-        )
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", report.stdout)
-    return {"registers": int(usage.group(1)), "stack_bytes": int(usage.group(2))} if usage else {}
+
+        def dump(flag: str) -> str:
+            return subprocess.run([cuobjdump, flag, str(path)], capture_output=True, text=True, check=True).stdout
+
+        usage = re.search(r"REG:(\d+) STACK:(\d+)", dump("--dump-resource-usage"))
+        if not usage:
+            return {}
+        resources = {"registers": int(usage.group(1)), "stack_bytes": int(usage.group(2))}
+        if resources["stack_bytes"]:
+            depths = sass.spills_by_loop_depth(dump("--dump-sass"))
+            resources["spills_by_loop_depth"] = "/".join(map(str, depths))
+    return resources
 
 
 # The AMD kernel's code-object metadata (amdhsa.kernels in the amdgcn text) and how findings name it.

@@ -35,29 +35,44 @@ class Finding:
         note = f"; {self.note}" if self.note else ""
         if self.warning:
             spill = next((self.resources[k] for k in SPILL_KEYS if k in self.resources), 0)
-            meaning = spill_meaning(self.target, spill)
+            meaning = spill_meaning(self.target, spill, self.resources.get("spills_by_loop_depth"))
             return f"WARN {head}: {self.warning}{' -- ' + meaning if meaning else ''} [{used}]{note}"
         return f"ok   {head}: {used}{note}"
 
 
-def spill_meaning(target: str, stack_bytes: int) -> str:
-    """What a register spill of `stack_bytes` per thread costs, and whether it is worth acting on.
+def spill_meaning(target: str, stack_bytes: int, by_loop_depth: str | None = None) -> str:
+    """What a register spill of `stack_bytes` per thread costs, and whether it is worth acting on;
+    `by_loop_depth` ("a/b/c", NVIDIA): its spill instructions outside any loop, in loops one deep,
+    two deep, ...
 
     A spilled register lives in local memory (AMD: scratch): each use is a load or store through L1
     (and L2 or HBM when L1 misses) instead of a register read, and it competes with the tiles for
-    bandwidth.
+    bandwidth. A spill instruction outside every loop runs once a program; one in the innermost
+    loop runs every step of it.
     """
     if not stack_bytes:
         return ""
+    depth = by_loop_depth.count("/") if by_loop_depth else 0
+    if by_loop_depth and not depth:
+        return (
+            "how much it matters: little; its spill instructions are all outside the kernel's loops (once a"
+            " program); results are exact either way"
+        )
+    where = ""
+    if by_loop_depth:
+        deepest = by_loop_depth.rsplit("/", 1)[1]
+        loops = f"{depth} loop{'s' * (depth > 1)}"
+        sit = "sits" if deepest == "1" else "sit"
+        where = f"{deepest} of its spill instructions {sit} {loops} deep (by depth: {by_loop_depth}); "
     if stack_bytes <= SMALL_SPILL:
         return (
-            f"how much it matters: little; {stack_bytes} B per thread is a few values in L1-cached local"
-            " memory, usually a few % of the time at most; results are exact either way"
+            f"how much it matters: {where or 'little; '}{stack_bytes} B per thread is a few values in L1-cached"
+            " local memory, usually a few % of the time at most; results are exact either way"
         )
     advice = "pin smaller [triton] tiles or fewer num_warps in the spec, or run `attngen tune` on that GPU"
     if target != "sm90":  # the tuned table's tiles were measured on an H200 (sm90)
         advice = f"tiles from the tuned table were measured on an H200 (sm90), not this GPU: {advice}"
     return (
-        f"how much it matters: {stack_bytes} B per thread is likely tile data the loop re-reads from local"
-        f" memory, which can make the kernel several times slower (results are exact either way); {advice}"
+        f"how much it matters: {where}{stack_bytes} B per thread is likely tile data the loop re-reads from"
+        f" local memory, which can make the kernel several times slower (results are exact either way); {advice}"
     )
