@@ -291,7 +291,7 @@ def _stream_key(device):
     """The key of buffers that eager calls on `device`'s current stream keep and share across calls
     (launches on one stream run one after another): (device, the stream's handle; None on the CPU).
     None under CUDA-graph capture, where a call takes fresh ones: a graph may outlive what is kept
-    and be replayed on any stream; None in a custom op's call too (_fresh_in_graphs)."""
+    and be replayed on any stream; None in a custom op's call too (_custom_op)."""
     if _capturing(device) or _OPS_UNDER_WAY.depth:
         return None
     if device.type != "cuda":
@@ -302,27 +302,10 @@ def _stream_key(device):
 
 
 class _OpsUnderWay(threading.local):
-    depth = 0  # this thread's custom op calls under way (_fresh_in_graphs)
+    depth = 0  # this thread's custom op calls under way (_custom_op)
 
 
 _OPS_UNDER_WAY = _OpsUnderWay()
-
-
-def _fresh_in_graphs(op):
-    """A custom op's implementation, which torch.compile's graphs call: what it allocates is fresh,
-    nothing kept for later calls (_stream_key). Inductor's CUDA graphs (mode="reduce-overhead") first
-    run a graph in their own memory pool, on a stream of their own, and refuse to capture it while a
-    tensor made there is neither returned nor freed: a buffer kept for the next call would be one."""
-
-    @functools.wraps(op)
-    def call(*args):
-        _OPS_UNDER_WAY.depth += 1
-        try:
-            return op(*args)
-        finally:
-            _OPS_UNDER_WAY.depth -= 1
-
-    return call
 
 
 _KEPT = {}  # (_stream_key, name) -> a buffer eager calls on that stream share (_stream_buffer)
@@ -3127,10 +3110,32 @@ def _kernel_params(params):
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
 _OP = "tree_verify_46b3fad63753"
+
+
+def _custom_op(name, mutates_args=()):
+    """torch.library.custom_op of this spec's op `name`. Its implementation, which torch.compile's
+    graphs call, allocates fresh buffers and keeps none for later calls (_stream_key): inductor's
+    CUDA graphs (mode="reduce-overhead") first run a graph in their own memory pool, on a stream of
+    their own, and refuse to capture it while a tensor made there is neither returned nor freed; a
+    buffer kept for the next call would be one."""
+
+    def register(implementation):
+        @functools.wraps(implementation)
+        def call(*args):
+            _OPS_UNDER_WAY.depth += 1
+            try:
+                return implementation(*args)
+            finally:
+                _OPS_UNDER_WAY.depth -= 1
+
+        return torch.library.custom_op(f"attngen::{_OP}_{name}", mutates_args=mutates_args)(call)
+
+    return register
+
+
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
-    @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
-    @_fresh_in_graphs
+    @_custom_op("fwd")
     def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, param_drafts: int, param_tree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _forward(q, k, v, scale, [param_drafts, param_tree])
 
@@ -3138,8 +3143,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
     def _fwd_fake(q, k, v, scale, param_drafts, param_tree):
         return _output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    @torch.library.custom_op(f"attngen::{_OP}_bwd", mutates_args=())
-    @_fresh_in_graphs
+    @_custom_op("bwd")
     def _bwd_op(
         dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float, param_drafts: int, param_tree: torch.Tensor,
@@ -3162,8 +3166,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
-    @torch.library.custom_op(f"attngen::{_OP}_fp8", mutates_args=())
-    @_fresh_in_graphs
+    @_custom_op("fp8")
     def _fp8_op(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: Optional[torch.Tensor],
         k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], scale: float, param_drafts: int, param_tree: torch.Tensor,
@@ -3177,8 +3180,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
     def _fp8_fake(q, k, v, q_descale, k_descale, v_descale, scale, param_drafts, param_tree):
         return _output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)  # (in the spec's dtype)
 
-    @torch.library.custom_op(f"attngen::{_OP}_kvcache", mutates_args=())
-    @_fresh_in_graphs
+    @_custom_op("kvcache")
     def _kvcache_op(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
         block_table: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
@@ -3198,8 +3200,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         lse_rows = rows if cu_seqlens_q is None else rows[::-1]  # (packed: [heads, total_q])
         return q.new_empty((*rows, HEAD_DIM_V)), q.new_empty(lse_rows, dtype=torch.float32)
 
-    @torch.library.custom_op(f"attngen::{_OP}_kvcache_append", mutates_args=("k_cache", "v_cache"))
-    @_fresh_in_graphs
+    @_custom_op("kvcache_append", mutates_args=("k_cache", "v_cache"))
     def _append_op(
         k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
         k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],

@@ -287,7 +287,7 @@ def _stream_key(device):
     """The key of buffers that eager calls on `device`'s current stream keep and share across calls
     (launches on one stream run one after another): (device, the stream's handle; None on the CPU).
     None under CUDA-graph capture, where a call takes fresh ones: a graph may outlive what is kept
-    and be replayed on any stream; None in a custom op's call too (_fresh_in_graphs)."""
+    and be replayed on any stream; None in a custom op's call too (_custom_op)."""
     if _capturing(device) or _OPS_UNDER_WAY.depth:
         return None
     if device.type != "cuda":
@@ -298,27 +298,10 @@ def _stream_key(device):
 
 
 class _OpsUnderWay(threading.local):
-    depth = 0  # this thread's custom op calls under way (_fresh_in_graphs)
+    depth = 0  # this thread's custom op calls under way (_custom_op)
 
 
 _OPS_UNDER_WAY = _OpsUnderWay()
-
-
-def _fresh_in_graphs(op):
-    """A custom op's implementation, which torch.compile's graphs call: what it allocates is fresh,
-    nothing kept for later calls (_stream_key). Inductor's CUDA graphs (mode="reduce-overhead") first
-    run a graph in their own memory pool, on a stream of their own, and refuse to capture it while a
-    tensor made there is neither returned nor freed: a buffer kept for the next call would be one."""
-
-    @functools.wraps(op)
-    def call(*args):
-        _OPS_UNDER_WAY.depth += 1
-        try:
-            return op(*args)
-        finally:
-            _OPS_UNDER_WAY.depth -= 1
-
-    return call
 
 
 _KEPT = {}  # (_stream_key, name) -> a buffer eager calls on that stream share (_stream_buffer)
@@ -3047,10 +3030,32 @@ def _sm_count(device):
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
 _OP = "value_dim_4e08b9bbf499"
+
+
+def _custom_op(name, mutates_args=()):
+    """torch.library.custom_op of this spec's op `name`. Its implementation, which torch.compile's
+    graphs call, allocates fresh buffers and keeps none for later calls (_stream_key): inductor's
+    CUDA graphs (mode="reduce-overhead") first run a graph in their own memory pool, on a stream of
+    their own, and refuse to capture it while a tensor made there is neither returned nor freed; a
+    buffer kept for the next call would be one."""
+
+    def register(implementation):
+        @functools.wraps(implementation)
+        def call(*args):
+            _OPS_UNDER_WAY.depth += 1
+            try:
+                return implementation(*args)
+            finally:
+                _OPS_UNDER_WAY.depth -= 1
+
+        return torch.library.custom_op(f"attngen::{_OP}_{name}", mutates_args=mutates_args)(call)
+
+    return register
+
+
 if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
-    @torch.library.custom_op(f"attngen::{_OP}_fwd", mutates_args=())
-    @_fresh_in_graphs
+    @_custom_op("fwd")
     def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         return _forward(q, k, v, scale, [])
 
@@ -3058,8 +3063,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
     def _fwd_fake(q, k, v, scale):
         return _output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    @torch.library.custom_op(f"attngen::{_OP}_bwd", mutates_args=())
-    @_fresh_in_graphs
+    @_custom_op("bwd")
     def _bwd_op(
         dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float,
@@ -3082,8 +3086,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
-    @torch.library.custom_op(f"attngen::{_OP}_fp8", mutates_args=())
-    @_fresh_in_graphs
+    @_custom_op("fp8")
     def _fp8_op(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: Optional[torch.Tensor],
         k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], scale: float,
@@ -3097,8 +3100,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
     def _fp8_fake(q, k, v, q_descale, k_descale, v_descale, scale):
         return _output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)  # (in the spec's dtype)
 
-    @torch.library.custom_op(f"attngen::{_OP}_kvcache", mutates_args=())
-    @_fresh_in_graphs
+    @_custom_op("kvcache")
     def _kvcache_op(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
         block_table: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
@@ -3118,8 +3120,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
         lse_rows = rows if cu_seqlens_q is None else rows[::-1]  # (packed: [heads, total_q])
         return q.new_empty((*rows, HEAD_DIM_V)), q.new_empty(lse_rows, dtype=torch.float32)
 
-    @torch.library.custom_op(f"attngen::{_OP}_kvcache_append", mutates_args=("k_cache", "v_cache"))
-    @_fresh_in_graphs
+    @_custom_op("kvcache_append", mutates_args=("k_cache", "v_cache"))
     def _append_op(
         k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
         k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
