@@ -114,17 +114,19 @@ def test_the_hopper_kernels_are_built_where_they_are_measured_faster():
         assert ("def _attention_bwd_delta" in source) == bool(config.sm90_fused_backward)
         return config.sm90_forward, *backward.values(), config.sm90_fused_backward
 
-    assert enabled(128, "bfloat16") == enabled(128, "float16") == (1, 1, 1, 0)
+    assert enabled(128, "bfloat16") == enabled(128, "float16") == (1, 1, 1, 1)
     assert enabled(64, "bfloat16") == (1, 1, 1, 0)
-    # The fused backward serves plain attention at heads of 65-128 (where it was measured faster).
+    # The fused backward serves plain attention and the causal mask at heads of 65-128 (where it was
+    # measured faster); the bottom-right causal mask, not measured, keeps the two kernels.
     fused = {
         (name, head_dim): retarget(load_spec(f"specs/{name}.toml"), head_dim, "bfloat16")
         .config("triton_gpu")
         .sm90_fused_backward
-        for name in ("full", "causal", "softcap")
+        for name in ("full", "causal", "causal_bottom_right", "softcap")
         for head_dim in (64, 96, 128)
     }
-    assert fused == {**dict.fromkeys(fused, 0), ("full", 96): 1, ("full", 128): 1}
+    on = {(name, head_dim): 1 for name in ("full", "causal") for head_dim in (96, 128)}
+    assert fused == {**dict.fromkeys(fused, 0), **on}
     # It serves calls of more than 2048 queries (1.04x the two kernels at 4k, 0.95-0.97x at 1k).
     assert load_spec("specs/full.toml").config("triton_gpu").sm90_fused_min_queries == 2048
     # Three consumers (192 queries a program) for plain attention at heads of 64, two elsewhere.

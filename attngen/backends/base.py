@@ -28,7 +28,8 @@ class ProblemShape:
     """What a target's config may depend on: the spec's head dims and dtype, whether its backward
     writes a trained tensor's gradient per (query, key) pair ([grad] of a full bias) or sums it
     along diagonals ([grad] of a relative table), whether its score reads a tensor at each pair
-    (a full bias, trained or not: ir.reads_pairs), and whether it has a mask or a score at all."""
+    (a full bias, trained or not: ir.reads_pairs), whether it has a mask or a score at all, and
+    whether its mask is causal's alone (q_idx >= kv_idx, no score)."""
 
     head_dim: int
     head_dim_v: int
@@ -37,6 +38,7 @@ class ProblemShape:
     relative_grads: bool = False
     pair_reads: bool = False
     plain: bool = False  # no mask, no score: softmax(q k^T * scale) v
+    causal: bool = False  # the mask q_idx >= kv_idx and no score
 
     @property
     def widest(self) -> int:

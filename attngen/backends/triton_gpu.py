@@ -33,14 +33,13 @@ from attngen.backends.emit import Dialect
 
 def _sm90_fused_by_default(shape: ProblemShape) -> bool:
     """Whether the fused Hopper backward serves a spec of this shape by default (where it can run):
-    plain attention at heads of 65-128, where forward + backward at 16k keys ran 1.01-1.09x the dQ
-    and dK/dV kernels in four runs on an H100 (1.04x at 4k; calls of up to 2048 queries keep the two
-    kernels: sm90_fused_min_queries). Not at heads of 64 (0.96x plain), nor yet under a mask or a
-    score: in the second of two runs 0.96-1.02x under causal, prefix-LM, softcap, a sliding window,
-    chunked and ALiBi slopes read from a tensor (the first read 0.88x chunked, 0.67x with the
-    slopes); causal alone held 1.01-1.06x in four (BENCHMARKS.md, 2026-12-05). A spec takes it or
-    leaves it with sm90_fused_backward."""
-    return shape.plain and 64 < shape.widest <= 128
+    plain attention and the causal mask at heads of 65-128. On an H100, forward + backward of plain
+    attention at 16k keys ran 1.01-1.09x the dQ and dK/dV kernels in four runs (1.04x at 4k), causal
+    1.01-1.06x at 16k and 1.03x at 4k in five (calls of up to 2048 queries keep the two kernels:
+    sm90_fused_min_queries). Not at heads of 64 (0.96x plain), nor under other masks and scores:
+    0.96-1.02x under prefix-LM, softcap, a sliding window, chunked and ALiBi slopes read from a
+    tensor (BENCHMARKS.md, 2026-12-05). A spec takes it or leaves it with sm90_fused_backward."""
+    return (shape.plain or shape.causal) and 64 < shape.widest <= 128
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,10 @@ CAUSAL_MASK = "q_idx >= kv_idx"
 # 0..i. Bottom-right (FlashAttention >= 2.1): the last query sees every key, as when the queries
 # are the last q_len of kv_len positions (decoding with a cache, chunked prefill).
 CAUSAL_MASKS = {True: CAUSAL_MASK, "top_left": CAUSAL_MASK, "bottom_right": "q_idx + kv_len - q_len >= kv_idx"}
+# CAUSAL_MASK as the type checker gives it (ProblemShape.causal).
+_CAUSAL_IR = ir.Compare(
+    ir.Type.BOOL, ">=", ir.Var(ir.Type.INT, "q_idx", ir.VarKind.INDEX), ir.Var(ir.Type.INT, "kv_idx", ir.VarKind.INDEX)
+)
 
 # Names a param may not take: the language's own, the generated functions' arguments, and the
 # names the kernels use internally.
@@ -107,11 +111,12 @@ def problem_shape(
 ) -> ProblemShape:
     """What the targets' configs depend on (ProblemShape): the head dims and dtype, whether the score
     has trained reads of each kind of trained_position_reads, whether it reads a tensor at each pair,
-    and whether there is a mask or a score."""
+    whether there is a mask or a score, and whether the mask is CAUSAL_MASK alone."""
     own, computed = trained_position_reads(score, grad_params)
     pairs = score is not None and ir.reads_pairs(score)
     plain = mask is None and score is None
-    return ProblemShape(head_dim, head_dim_v, dtype, bool(own), bool(computed), pair_reads=pairs, plain=plain)
+    causal = mask == _CAUSAL_IR and score is None
+    return ProblemShape(head_dim, head_dim_v, dtype, bool(own), bool(computed), pairs, plain, causal)
 
 
 def retarget(spec: Spec, head_dim: int, dtype: str) -> Spec:

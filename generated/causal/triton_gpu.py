@@ -8,7 +8,7 @@ dtype: bfloat16, head_dim: 128
 tiles: 128 queries x 128 keys (64 x 64 up to 2048 keys); closed-form tile bounds
 
 `attention` is differentiable (torch.autograd) and traceable by torch.compile: under compilation
-it calls the custom op torch.ops.attngen.causal_aeeb769c79ad_fwd, whose backward is ..._bwd; eager
+it calls the custom op torch.ops.attngen.causal_36fa8ea20e11_fwd, whose backward is ..._bwd; eager
 calls run the same kernels through a torch.autograd.Function, which costs less host time.
 """
 
@@ -32,6 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as NvmmaTensorDescriptor
+from triton._C.libtriton import ir as triton_ir
+from triton.experimental.gluon.language._core import builtin
 
 
 def _fix_interpreter_bf16():
@@ -141,7 +143,7 @@ SM90_DKDV_BLOCK_N = 128
 SM90_DKDV_NUM_WARPS = 4
 SM90_DKDV_NUM_STAGES = 2
 # Backward on Hopper, fused (Gluon): dK/dV of SM90_FUSED_BLOCK_N keys per program (half per consumer warpgroup), and dQ's share of each step of SM90_FUSED_BLOCK_M queries added to float32 sums.
-SM90_FUSED_BACKWARD = 0
+SM90_FUSED_BACKWARD = 1
 SM90_FUSED_BLOCK_M = 64
 SM90_FUSED_BLOCK_N = 128
 SM90_FUSED_NUM_WARPS = 4
@@ -179,6 +181,10 @@ SM90_PERSISTENT = 1
 # 57 % over the mean at causal 16k (BENCHMARKS.md, 2026-12-02 and 2026-12-03).
 SM90_DYNAMIC = 1
 SM90_L2_BYTES = 8 * 1024 * 1024
+# A call of at most this many queries runs the Hopper dQ and dK/dV kernels, not the fused backward:
+# each fused program walks every query block of its keys, and short walks lose (the spec's
+# sm90_fused_min_queries; measured in BENCHMARKS.md).
+SM90_FUSED_MIN_QUERIES = 2048
 # GQA and MQA: the dK/dV grid grows to this many programs per SM by splitting query-head groups
 # (see _group_splits; BENCHMARKS.md has the sweep behind it).
 PROGRAMS_PER_SM = 4
@@ -1395,8 +1401,8 @@ def attention_with_kvcache(
         descales = [_number_as_tensor(x, q.device) for x in (k_descale, v_descale)]
         with torch.no_grad():
             if appended:
-                cache_seqlens = torch.ops.attngen.causal_aeeb769c79ad_kvcache_append(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
-            out, lse = torch.ops.attngen.causal_aeeb769c79ad_kvcache(
+                cache_seqlens = torch.ops.attngen.causal_36fa8ea20e11_kvcache_append(k_cache, v_cache, cache_seqlens, block_table, k, v, cu_seqlens_q)
+            out, lse = torch.ops.attngen.causal_36fa8ea20e11_kvcache(
                 q, k_cache, v_cache, cache_seqlens, block_table, cache_leftpad, cu_seqlens_q, max_seqlen_q, *descales,
                 float(scale), num_splits, workspace, *scalars.values(), *tensors.values(),
             )
@@ -1934,6 +1940,15 @@ def _attention_fwd_sm90(
 # _sm90_key_tile's order (see the tile walks above): persistent, the loader fetches the next tile's K and
 # V and its first Q and dO while the consumers store this one's dK and dV.
 
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile `src` to the global tile of `tensor_desc` at `coord`, asynchronously
+    (cp.reduce.async.bulk.tensor: tma.store_wait waits for it as for a store). Triton 3.6's Gluon
+    builds the operation but gives it no function: this is tma.async_copy_shared_to_global's, with it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -2925,6 +2940,40 @@ def _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params):
     )
 
 
+def _delta(dout, dlse, out, delta):
+    """delta = rowsum(dO * O) - dLSE, float32 [batch, heads, q_len], for the fused backward (the dQ
+    kernels work it out beside dQ)."""
+    batch, heads, q_len, _ = out.shape
+    out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (out, dout))  # (an expanded gradient: strides 0)
+    block_m = 64
+    _launch(
+        _attention_bwd_delta, (_cdiv(q_len, block_m), batch * heads),
+        out, dout, _dlse_rows(dlse), delta, heads, q_len, *out.stride()[:3], *dout.stride()[:3],
+        HEAD_DIM_V=HEAD_DIM_V, BLOCK_M=block_m, BLOCK_DV=BLOCK_DV, num_warps=4,
+    )
+
+
+@triton.jit
+def _attention_bwd_delta(O, DO, DLSE, DELTA, num_heads, q_len, o_stride_b, o_stride_h, o_stride_m, do_stride_b,
+                         do_stride_h, do_stride_m, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_DV: tl.constexpr):
+    """delta of BLOCK_M rows of one (batch, head), as _attention_bwd_dq works it out (O, dO: rows of
+    HEAD_DIM_V contiguous elements; DLSE None: lse unused)."""
+    bh = tl.program_id(1)
+    b, h = (bh // num_heads).to(tl.int64), (bh % num_heads).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    inside = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM_V)
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(O + b * o_stride_b + h * o_stride_h + rows * o_stride_m + offs_d[None, :], mask=inside, other=0.0)
+    do = tl.load(DO + b * do_stride_b + h * do_stride_h + rows * do_stride_m + offs_d[None, :], mask=inside, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    at = bh.to(tl.int64) * q_len + offs_m
+    if DLSE is not None:
+        delta -= tl.load(DLSE + at, mask=offs_m < q_len, other=0.0)
+    tl.store(DELTA + at, delta, mask=offs_m < q_len)
+
+
 def _dlse_rows(dlse):
     """dLSE as the dQ kernels read it, float32 [batch * heads, q_len]; None (no load) where the
     caller did not use lse."""
@@ -2941,13 +2990,23 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or dk.numel() == 0:  # an empty batch or sequence: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_()
+    # The fused Hopper backward, where the call lets dQ's last bits vary from run to run (not under
+    # torch.use_deterministic_algorithms).
+    fused = (
+        _runs_sm90(q, SM90_BACKWARD and SM90_FUSED_BACKWARD)
+        and q_len > SM90_FUSED_MIN_QUERIES
+        and not torch.are_deterministic_algorithms_enabled()
+    )
+    if fused:
+        _delta(dout, dlse, out, delta)
+        dq_sums = torch.zeros((batch, heads, q_len, HEAD_DIM), device=q.device, dtype=torch.float32)
     # The Hopper dQ kernel, unless trained params want gradients (the Triton dQ kernel gathers them).
-    if _runs_sm90(q, SM90_DQ):
+    elif _runs_sm90(q, SM90_DQ):
         _dq_sm90(dout, dlse, q, k, v, out, lse, delta, dq, scale, params)
     else:
         _dq_triton(dout, dlse, q, k, v, out, lse, delta, dq, scale, params)
     hopper = _runs_sm90(q, SM90_BACKWARD)
-    block_m, block_n, warps, stages = _tiles("SM90_DKDV_" if hopper else "DKDV_", q.device)
+    block_m, block_n, warps, stages = _tiles("SM90_FUSED_" if fused else "SM90_DKDV_" if hopper else "DKDV_", q.device)
     kv_heads, kv_blocks = heads // group, _cdiv(kv_len, block_n)
     splits = _group_splits(group, batch * kv_heads * kv_blocks, q.device)
     if splits > 1:  # each part of a group writes float32 partial sums, added up below
@@ -2960,10 +3019,11 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         units = batch * kv_heads * splits
         programs, counter = _sm90_programs(kv_blocks * units, q.device)
         unit_bytes = group // splits * q_len * (BLOCK_D + BLOCK_DV) * q.element_size()  # its Q and dO
+        dq_columns = _nvmma_descriptor(dq_sums, block_m, BLOCK_D // 2) if fused else None  # each consumer's half
         _launch(
             _attention_bwd_dkdv_sm90, (programs,),
             _nvmma_descriptor(q, block_m), _nvmma_descriptor(k, 64), _nvmma_descriptor(v, 64, BLOCK_DV),  # 64-key tiles
-            _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts, None, counter,
+            _nvmma_descriptor(dout, block_m, BLOCK_DV), lse, delta, dk_parts, dv_parts, dq_columns, counter,
             heads, q_len, kv_len, scale, units, _sm90_section(units, unit_bytes), *params, GROUP=group,
             SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HEAD_DIM=HEAD_DIM,
             HEAD_DIM_V=HEAD_DIM_V, STAGES=stages, PERSISTENT=SM90_PERSISTENT, DYNAMIC=SM90_DYNAMIC,
@@ -2972,6 +3032,8 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, params):
         if splits > 1:
             dk.copy_(dk_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM).sum(2))
             dv.copy_(dv_parts.view(batch, kv_heads, splits, kv_len, HEAD_DIM_V).sum(2))
+        if fused:
+            dq.copy_(dq_sums)
         return dq, dk, dv
     _launch(
         _attention_bwd_dkdv, grid,
@@ -3029,7 +3091,7 @@ def _sm_count(device):
 # costs host time). The ops take a spec's params in _check_params' order, as the kernels do.
 # Outputs are laid out as q is (_output_like), in the fake implementations too.
 # The op names carry a digest of the spec, so two versions of a spec can live in one process.
-_OP = "causal_aeeb769c79ad"
+_OP = "causal_36fa8ea20e11"
 
 
 def _custom_op(name, mutates_args=()):
@@ -3081,7 +3143,7 @@ if not hasattr(torch.ops.attngen, f"{_OP}_fwd"):
 
     def _autograd_backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.attngen.causal_aeeb769c79ad_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
+        dq, dk, dv = torch.ops.attngen.causal_36fa8ea20e11_bwd(dout, dlse, q, k, v, out, lse, ctx.scale, *ctx.params)
         return dq, dk, dv, None, *(None for _ in ctx.params)
 
     _fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -3188,7 +3250,7 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
         scale = 1.0 / math.sqrt(HEAD_DIM)
     scale, params = float(scale), [*scalars.values(), *tensors.values()]
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        out, lse = torch.ops.attngen.causal_aeeb769c79ad_fwd(q, k, v, scale, *params)
+        out, lse = torch.ops.attngen.causal_36fa8ea20e11_fwd(q, k, v, scale, *params)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
         out, lse = _Attention.apply(q, k, v, scale, *params)  # eager: cheaper than the custom op's dispatch
     else:  # no gradient wanted (inference): the kernels without autograd's bookkeeping
@@ -3227,7 +3289,7 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, sc
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break), without autograd as eager
         descales = [_number_as_tensor(x, q.device) for x in (q_descale, k_descale, v_descale)]
         with torch.no_grad():
-            out, lse = torch.ops.attngen.causal_aeeb769c79ad_fp8(q, k, v, *descales, scale, *params)
+            out, lse = torch.ops.attngen.causal_36fa8ea20e11_fp8(q, k, v, *descales, scale, *params)
     else:
         out, lse = _forward(q, k, v, scale, params, _fp8_descales(q.device, *k.shape[:2], q_descale, k_descale, v_descale))
     (out,) = _as_bhsd(layout, out)
@@ -3291,7 +3353,7 @@ def attention_forward(q, k, v, *, scale=None, **params):
     """
     scale, params = _checked_scale_and_params(q, k, v, scale, params)
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        return torch.ops.attngen.causal_aeeb769c79ad_fwd(q, k, v, scale, *params)
+        return torch.ops.attngen.causal_36fa8ea20e11_fwd(q, k, v, scale, *params)
     return _forward(q, k, v, scale, params)
 
 
@@ -3302,7 +3364,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, *, scale=None, **params):
     lse = lse.contiguous()  # the kernels index it as [batch * heads, q_len] (a slice of a longer row is not)
     scale, params = _checked_scale_and_params(q, k, v, scale, params)
     if torch.compiler.is_compiling():  # torch.compile traces the custom op (no graph break)
-        return torch.ops.attngen.causal_aeeb769c79ad_bwd(dout, dlse, q, k, v, out, lse, scale, *params)
+        return torch.ops.attngen.causal_36fa8ea20e11_bwd(dout, dlse, q, k, v, out, lse, scale, *params)
     return _backward(dout, dlse, q, k, v, out, lse, scale, params)
 
 
