@@ -29,7 +29,7 @@ class ProblemShape:
     writes a trained tensor's gradient per (query, key) pair ([grad] of a full bias) or sums it
     along diagonals ([grad] of a relative table), whether its score reads a tensor at each pair
     (a full bias, trained or not: ir.reads_pairs), whether it has a mask or a score at all, and
-    whether its mask is causal's alone (q_idx >= kv_idx, no score)."""
+    whether it is the causal mask alone (q_idx >= kv_idx, no score)."""
 
     head_dim: int
     head_dim_v: int
