@@ -17,7 +17,7 @@ from attngen.build import package_sources, write_package
 from attngen.cli import EXIT_INTERNAL_ERROR, main, project_root
 from attngen.errors import BuildError
 from attngen.plan import HEADER_NOTE
-from attngen.spec import load_spec
+from attngen.spec import load_spec, with_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.toml"))
@@ -316,3 +316,21 @@ def test_a_wheel_carries_what_attngen_build_reads(tmp_path):
     assert built == ["__init__.py", "pallas_tpu.py", "triton_gpu.py"]
     committed = (ROOT / "generated" / "causal" / "triton_gpu.py").read_text()
     assert (elsewhere / "out" / "causal" / "triton_gpu.py").read_text() == committed
+
+
+def test_generated_code_spaces_its_definitions_as_pep8_does(tmp_path):
+    """Generated modules keep PEP 8's blank lines (ruff's E30 rules: two before each top-level
+    definition, never more than two in a row), with the spec's Hopper kernels and with none."""
+    no_hopper = dict.fromkeys(("sm90_forward", "sm90_fp8", "sm90_backward", "sm90_dq", "sm90_fused_backward"), 0)
+    for spec_file in SPECS:
+        spec = load_spec(spec_file.relative_to(ROOT))
+        for label, variant in (("hopper", spec), ("no_hopper", with_config(spec, "triton_gpu", **no_hopper))):
+            folder = tmp_path / f"{spec.name}_{label}"
+            folder.mkdir()
+            for name, source in package_sources(variant).items():
+                (folder / name).write_text(source)
+    ruff = [sys.executable, "-m", "ruff", "check", "--isolated", "--preview", "--select", "E30,W391"]
+    result = subprocess.run(
+        [*ruff, "--output-format", "concise", str(tmp_path)], check=False, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout

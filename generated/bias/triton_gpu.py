@@ -2051,7 +2051,6 @@ def _forward(q, k, v, scale, params, descale=None):
     return out, lse
 
 
-
 def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
     """The Hopper forward into out and lse; with descale (FP8), v is V^T (_fp8_transposed)."""
     batch, heads, q_len, _ = q.shape
@@ -2413,7 +2412,6 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
         out, lse = _forward(q, k, v, scale, params)
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
-
 
 
 def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, scale=None, return_lse=False, layout="bhsd", **params):

@@ -2002,7 +2002,6 @@ def _attention_fwd_sm90(
 # V and its first Q and dO while the consumers store this one's dK and dV.
 
 
-
 @gluon.jit
 def _sm90_dkdv_runs(b, h, kv_block, kv_first, q_len, kv_len, param_sinks, param_sinks_size0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The q blocks that see this kv block, for query head h: the runs of the tile bounds."""
@@ -2875,7 +2874,6 @@ def _forward(q, k, v, scale, params, descale=None):
     return out, lse
 
 
-
 def _forward_sm90(q, k, v, out, lse, scale, params, descale=None):
     """The Hopper forward into out and lse; with descale (FP8), v is V^T (_fp8_transposed)."""
     batch, heads, q_len, _ = q.shape
@@ -3093,8 +3091,6 @@ def _sink_grad(lse, delta, params):
     sinks = _sink_values(lse.shape[0], lse.shape[1], lse.device, params)[..., None]
     share = torch.where(torch.isneginf(sinks), 0.0, torch.exp(sinks - lse))  # the sink's softmax weight in each row
     return -(share * delta).sum(-1).sum(0)
-
-
 
 
 def _trained_grads(lse, delta, params, buffers, train):
@@ -3346,7 +3342,6 @@ def attention(q, k, v, *, scale=None, return_lse=False, layout="bhsd", **params)
         out, lse = _forward(q, k, v, scale, params)
     (out,) = _as_bhsd(layout, out)
     return (out, lse) if return_lse else out
-
 
 
 def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, scale=None, return_lse=False, layout="bhsd", **params):
