@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
+from functools import cache
 from typing import Any
 
 from attngen import ir
 from attngen.backends import TARGETS
 from attngen.backends.base import ProblemShape
+from attngen.lang import parser
+from attngen.lang.typecheck import Scope, typecheck
 
 DTYPES = ("float16", "bfloat16", "float32")
 PARAM_TYPES = {"int": ir.Type.INT, "float": ir.Type.FLOAT}
@@ -23,10 +26,6 @@ CAUSAL_MASK = "q_idx >= kv_idx"
 # 0..i. Bottom-right (FlashAttention >= 2.1): the last query sees every key, as when the queries
 # are the last q_len of kv_len positions (decoding with a cache, chunked prefill).
 CAUSAL_MASKS = {True: CAUSAL_MASK, "top_left": CAUSAL_MASK, "bottom_right": "q_idx + kv_len - q_len >= kv_idx"}
-# CAUSAL_MASK as the type checker gives it (ProblemShape.causal).
-_CAUSAL_IR = ir.Compare(
-    ir.Type.BOOL, ">=", ir.Var(ir.Type.INT, "q_idx", ir.VarKind.INDEX), ir.Var(ir.Type.INT, "kv_idx", ir.VarKind.INDEX)
-)
 
 # Names a param may not take: the language's own, the generated functions' arguments, and the
 # names the kernels use internally.
@@ -101,6 +100,14 @@ def trained_position_reads(score: ir.Expr | None, grad_params: tuple[str, ...]) 
     return own, [load for load in reads if load not in own]
 
 
+@cache
+def _causal_ir() -> ir.Expr:
+    """CAUSAL_MASK as the type checker gives it (ProblemShape.causal)."""
+    expr, problems = typecheck(parser.parse(CAUSAL_MASK), Scope({}, allow_score=False), ir.Type.BOOL)
+    assert expr is not None and not problems, problems
+    return expr
+
+
 def problem_shape(
     head_dim: int,
     head_dim_v: int,
@@ -115,7 +122,7 @@ def problem_shape(
     own, computed = trained_position_reads(score, grad_params)
     pairs = score is not None and ir.reads_pairs(score)
     plain = mask is None and score is None
-    causal = mask == _CAUSAL_IR and score is None
+    causal = score is None and mask == _causal_ir()
     return ProblemShape(head_dim, head_dim_v, dtype, bool(own), bool(computed), pairs, plain, causal)
 
 
