@@ -56,6 +56,24 @@ def test_triton_reads_a_strided_view_without_copying_it():
     assert module._output_like(q).transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("axis", ["base", "batch", "heads", "seq"])
+def test_triton_copies_a_view_that_tma_cannot_read(axis):
+    """A base or a stride (a dim of size 1 too) off 16 bytes is copied contiguous, values kept."""
+    import torch
+
+    module = harness.load_target(harness.spec_from_text(SPEC), "triton_gpu")
+    storage = torch.randn(2 * 3 * 40 * 36, generator=torch.Generator().manual_seed(5))  # room for longer strides
+    sizes, strides = [1, 3, 40, DIM], [3 * 40 * 36, 40 * 36, 36, 1]  # rows padded to 36 floats: aligned
+    offset = 1 if axis == "base" else 0  # one float: 4 bytes off
+    if axis != "base":
+        strides[["batch", "heads", "seq"].index(axis)] += 1  # 4 bytes more: off 16
+    view = torch.as_strided(storage, sizes, strides, offset)
+    ready = module._tma_ready(view)
+    assert ready is not view and ready.is_contiguous() and torch.equal(ready, view)
+    aligned = torch.as_strided(storage, sizes, [3 * 40 * 36, 40 * 36, 36, 1])
+    assert module._tma_ready(aligned) is aligned
+
+
 def test_pallas_takes_flashattentions_layout():
     import jax
     import jax.numpy as jnp
